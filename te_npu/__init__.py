@@ -1,0 +1,30 @@
+"""te_npu: Transformer-Engine-style MXFP8 / HiF8 training for Ascend NPUs (emulated on CPU/CUDA)."""
+from te_npu.autocast import (
+    autocast,
+    fp8_autocast,
+    get_autocast_recipe,
+    is_autocast_enabled,
+    quantized_model_init,
+)
+from te_npu.errors import ConfigError, LowPrecisionUnavailableError
+from te_npu.formats import Format, QuantizationRole
+from te_npu.modules import TEGroupedLinear, TEGroupedSwiGLUExperts, TELinear
+from te_npu.recipe import HiF8CurrentScalingRecipe, MXFP8BlockRecipe, recipe_from_config
+
+__all__ = [
+    "autocast",
+    "fp8_autocast",
+    "quantized_model_init",
+    "is_autocast_enabled",
+    "get_autocast_recipe",
+    "ConfigError",
+    "LowPrecisionUnavailableError",
+    "Format",
+    "QuantizationRole",
+    "MXFP8BlockRecipe",
+    "HiF8CurrentScalingRecipe",
+    "recipe_from_config",
+    "TELinear",
+    "TEGroupedLinear",
+    "TEGroupedSwiGLUExperts",
+]

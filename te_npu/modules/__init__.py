@@ -1,0 +1,5 @@
+"""TE modules: thin holders of parameters and quantizer metadata."""
+from te_npu.modules.grouped_linear import TEGroupedLinear, TEGroupedSwiGLUExperts
+from te_npu.modules.linear import TELinear
+
+__all__ = ["TELinear", "TEGroupedLinear", "TEGroupedSwiGLUExperts"]

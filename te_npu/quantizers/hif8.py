@@ -1,0 +1,53 @@
+"""HiF8 current-scaling quantizer: FP32 scale = amax / format_max of the tensor being quantized."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from te_npu.formats import Format, Orientation
+from te_npu.numerics import hif8
+from te_npu.tensor.operand import QuantizedOperand
+
+__all__ = ["HiF8Quantizer", "hif8_amax"]
+
+
+def hif8_amax(tensor: torch.Tensor) -> torch.Tensor:
+    """FP32 amax: ``[]`` for a 1D/2D tensor, ``[E]`` per leading group of a 3D weight ``[E, N, K]``.
+
+    NaN anywhere in a group makes its amax NaN (and so its scale 1.0).
+    """
+    magnitude = tensor.detach().abs().float()
+    if tensor.dim() == 3:
+        return magnitude.amax(dim=(1, 2))
+    return magnitude.amax()
+
+
+@dataclass(frozen=True)
+class HiF8Quantizer:
+    """Per-tensor (3D: per leading group) current scaling into HiFloat8 codes.
+
+    ``format_max``: 15.0 for inputs and weights, 224.0 for gradients. The data does not
+    depend on ``orientation``; the operand records it for the GEMM layout only.
+    """
+
+    format_max: float
+    format: ClassVar[Format] = Format.HIF8
+
+    def quantize(
+        self,
+        tensor: torch.Tensor,
+        *,
+        orientation: Orientation,
+        group_list: torch.Tensor | None = None,
+    ) -> QuantizedOperand:
+        """Quantize ``tensor``; ``group_list`` is accepted and ignored (one scale per 2D operand)."""
+        if orientation not in ("row", "col"):
+            raise ValueError(f"orientation must be 'row' or 'col', got {orientation!r}")
+        scale = hif8.current_scale(hif8_amax(tensor), self.format_max)
+        return QuantizedOperand(hif8.quantize(tensor, scale), scale, tensor.dtype, self.format, orientation)
+
+    def quantize_with_scale(self, tensor: torch.Tensor, scale: torch.Tensor) -> QuantizedOperand:
+        """Quantize with a given FP32 scale (e.g. one agreed on across FSDP ranks)."""
+        return QuantizedOperand(hif8.quantize(tensor, scale), scale, tensor.dtype, self.format, "row")

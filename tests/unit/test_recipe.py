@@ -1,0 +1,110 @@
+"""Recipes, roles and config parsing (spec sections 7.1, 13.1, 16.1)."""
+import dataclasses
+import subprocess
+import sys
+from types import MappingProxyType
+
+import pytest
+
+import te_npu
+from te_npu import ConfigError, HiF8CurrentScalingRecipe, MXFP8BlockRecipe, QuantizationRole
+from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer
+
+
+def test_mxfp8_recipe_defaults_are_e4m3_block32_e8m0_floor():
+    recipe = MXFP8BlockRecipe()
+    assert (recipe.fp8_format, recipe.block_size, recipe.scale_dtype, recipe.scale_alg) == ("E4M3", 32, "E8M0", "floor")
+    assert recipe.format is te_npu.Format.MXFP8_E4M3
+
+
+def test_recipes_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        MXFP8BlockRecipe().block_size = 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        HiF8CurrentScalingRecipe().grad_max = 1.0
+
+
+@pytest.mark.parametrize(
+    "field, value", [("block_size", 16), ("fp8_format", "E5M2"), ("scale_dtype", "FP32"), ("scale_alg", "round")]
+)
+def test_mxfp8_recipe_rejects_unsupported_fields(field, value):
+    with pytest.raises(ConfigError, match=field):
+        MXFP8BlockRecipe(**{field: value})
+
+
+def test_mxfp8_recipe_maps_every_role_to_one_shared_quantizer():
+    mapping = MXFP8BlockRecipe().quantizers()
+    assert isinstance(mapping, MappingProxyType)
+    assert set(mapping) == set(QuantizationRole)
+    assert len({id(q) for q in mapping.values()}) == 1
+    assert isinstance(mapping[QuantizationRole.INPUT_FWD], MXFP8Quantizer)
+    with pytest.raises(TypeError):
+        mapping[QuantizationRole.INPUT_FWD] = None
+
+
+@pytest.mark.parametrize(
+    "role, expected_max",
+    [
+        (QuantizationRole.INPUT_FWD, 15.0),
+        (QuantizationRole.WEIGHT_FWD, 15.0),
+        (QuantizationRole.INPUT_BWD, 15.0),
+        (QuantizationRole.WEIGHT_BWD, 15.0),
+        (QuantizationRole.GRAD_OUTPUT, 224.0),
+    ],
+)
+def test_hif8_recipe_role_format_max(role, expected_max):
+    quantizer = HiF8CurrentScalingRecipe().quantizer(role)
+    assert isinstance(quantizer, HiF8Quantizer)
+    assert quantizer.format_max == expected_max
+
+
+def test_hif8_recipe_quantizer_accepts_role_strings():
+    assert HiF8CurrentScalingRecipe().quantizer("grad_output").format_max == 224.0
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({"enabled": True, "format": "mxfp8_e4m3", "scaling": "mx_block"}, MXFP8BlockRecipe()),
+        ({"enabled": True, "format": "hif8", "scaling": "current"}, HiF8CurrentScalingRecipe()),
+    ],
+    ids=["mxfp8", "hif8"],
+)
+def test_recipe_from_config_accepts_the_two_legal_combinations(config, expected):
+    assert te_npu.recipe_from_config(config) == expected
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"enabled": True, "format": "mxfp8_e4m3", "scaling": "current"}, "low_precision.scaling"),
+        ({"enabled": True, "format": "hif8", "scaling": "mx_block"}, "low_precision.scaling"),
+        ({"enabled": True, "format": "hif8", "scaling": "delayed"}, "low_precision.scaling"),
+        ({"enabled": True, "format": "mxfp4", "scaling": "mx_block"}, "low_precision.format"),
+        ({"enabled": "yes", "format": "hif8", "scaling": "current"}, "low_precision.enabled"),
+        ({"enabled": True, "format": "hif8", "scaling": "current", "margin": 0}, "margin"),
+    ],
+    ids=["mxfp8+current", "hif8+mx_block", "hif8+delayed", "mxfp4", "enabled-not-bool", "unknown-key"],
+)
+def test_recipe_from_config_rejects_illegal_combinations_naming_the_field(config, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as info:
+        te_npu.recipe_from_config(config)
+    if "scaling" in field:
+        assert "allowed values" in str(info.value)
+
+
+def test_recipe_from_config_disabled_returns_none():
+    assert te_npu.recipe_from_config({"enabled": False, "format": "hif8", "scaling": "delayed"}) is None
+    assert te_npu.recipe_from_config(None) is None
+
+
+def test_disabled_low_precision_never_imports_torch_npu():
+    code = (
+        "import sys, te_npu, torch\n"
+        "assert te_npu.recipe_from_config({'enabled': False}) is None\n"
+        "m = te_npu.TELinear(64, 64)\n"
+        "with te_npu.autocast(enabled=False):\n"
+        "    m(torch.randn(2, 64, dtype=torch.bfloat16)).sum().backward()\n"
+        "assert 'torch_npu' not in sys.modules, 'torch_npu imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
