@@ -1,0 +1,181 @@
+"""HiFloat8 (Huawei HiF8) codes as pure tensor functions.
+
+A code is ``sign | dot prefix | exponent | mantissa``; the dot prefix says how many exponent and
+mantissa bits follow (see ``constants.HIF8_BANDS``):
+
+======  ===============  ==================  =============  ======================
+|E|     prefix (7 bits)  exponent bits       mantissa bits  codes (positive)
+======  ===============  ==================  =============  ======================
+0       0001             none                3              0x08-0x0F
+1       001              sign                3              0x10-0x1F
+2-3     01               sign + 1            3              0x20-0x3F
+4-7     10               sign + 2            2              0x40-0x5F
+8-15    11               sign + 3            1              0x60-0x7F
+-16..-22 0000            3 (denormal 1..7)   0              0x01-0x07
+======  ===============  ==================  =============  ======================
+
+0x00 is the only zero, 0x80 the only NaN, 0x6F/0xEF are +-Inf (the slot of 1.5 * 2**15).
+Rounding is to nearest with ties away from zero, done on the FP32 bits: add half a unit of
+the mantissa width chosen by the input's exponent, then truncate. A carry that reaches the next
+power of two is exact in any band, so the width chosen before rounding is always the right
+one. Ties-away makes ``2**-23`` (half the smallest denormal) round up to ``2**-22`` and
+``40960 = 1.25 * 2**15`` round up to Inf; ``-0.0`` encodes to 0x00 (0x80 is NaN), and so do
+negative values that round to zero. All of it matches ``en_dtypes.hifloat8`` (swept in tests).
+"""
+from functools import lru_cache
+
+import torch
+
+from te_npu.numerics.constants import (
+    FP32_ABS_MASK,
+    FP32_EXP_BIAS,
+    FP32_INF_BITS,
+    FP32_MANTISSA_BITS,
+    HIF8_BANDS,
+    HIF8_DENORMAL_OFFSET,
+    HIF8_MAX,
+    HIF8_MAX_EXP,
+    HIF8_MIN_DENORMAL_EXP,
+    HIF8_NAN,
+    HIF8_POS_INF,
+    HIF8_SIGN,
+)
+
+_HIF8_MAX_BITS = 0x47000000  # float32 bits of HIF8_MAX = 2**15
+_NO_SHIFT = 31  # shifting a positive int32 by 31 gives 0
+
+
+def _band(exp: int):
+    """(mantissa bits, code of mantissa 0) of a HiF8 exponent, or None if not representable."""
+    if HIF8_MIN_DENORMAL_EXP <= exp < -HIF8_MAX_EXP:
+        return 0, exp + HIF8_DENORMAL_OFFSET
+    for low, high, mbits, prefix in HIF8_BANDS:
+        if low <= abs(exp) <= high:
+            if low == 0:  # prefix 0001, mantissa only
+                return mbits, prefix
+            # below the prefix: [exp sign][|E| - low][mantissa]; the exp sign sits at bit 3
+            # for |E| == 1 (no exponent bits) and at bit 4 otherwise.
+            sign_pos = 3 if low == 1 else 4
+            exp_sign = 1 if exp < 0 else 0
+            return mbits, prefix | (exp_sign << sign_pos) | ((abs(exp) - low) << mbits)
+    return None
+
+
+@lru_cache(maxsize=None)
+def _encode_tables(device: torch.device):
+    """Tables indexed by the FP32 exponent field (0..255).
+
+    ``half``/``keep``: rounding addend (half a unit at the band's width) and truncation mask, by
+    the exponent *before* rounding. ``packed``: ``shift | (offset << 8)`` by the exponent *after*
+    rounding, so that ``code = (bits >> shift) + offset``.
+    """
+    half, keep, packed = [], [], []
+    for field in range(256):
+        exp = field - FP32_EXP_BIAS
+        band = _band(exp)
+        if exp == HIF8_MIN_DENORMAL_EXP - 1:  # [2**-23, 2**-22): ties away -> 2**-22
+            half.append(1 << FP32_MANTISSA_BITS)
+            keep.append(~((1 << FP32_MANTISSA_BITS) - 1))
+        elif band is not None:
+            drop = FP32_MANTISSA_BITS - band[0]
+            half.append(1 << (drop - 1))
+            keep.append(~((1 << drop) - 1))
+        elif exp < HIF8_MIN_DENORMAL_EXP:  # below 2**-23: zero
+            half.append(0)
+            keep.append(0)
+        else:  # beyond 2**16, Inf, NaN: left as is, mapped to Inf below (NaN fixed later)
+            half.append(0)
+            keep.append(-1)
+        if band is not None:
+            mbits, code = band
+            shift = FP32_MANTISSA_BITS - mbits
+            packed.append(shift | ((code - (field << mbits)) << 8))
+        elif exp > HIF8_MAX_EXP:
+            packed.append(_NO_SHIFT | (HIF8_POS_INF << 8))
+        else:  # zero (only field 0 is reachable after rounding)
+            packed.append(_NO_SHIFT)
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    return as_tensor(half), as_tensor(keep), as_tensor(packed)
+
+
+@lru_cache(maxsize=None)
+def _decode_table(device: torch.device) -> torch.Tensor:
+    """[256] float32: HiF8 code -> value."""
+    values = [0.0] * 128
+    for field in range(256):
+        band = _band(field - FP32_EXP_BIAS)
+        if band is None:
+            continue
+        mbits, code = band
+        for mant in range(1 << mbits):
+            values[code + mant] = (1.0 + mant / (1 << mbits)) * 2.0 ** (field - FP32_EXP_BIAS)
+    values[HIF8_POS_INF] = float("inf")
+    table = torch.tensor(values + [-v for v in values], dtype=torch.float32)
+    table[HIF8_NAN] = float("nan")
+    return table.to(device)
+
+
+def encode(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+    """Round ``x`` (any float dtype) to HiF8, ties away from zero; returns uint8 codes.
+
+    Finite values that round past 32768 (``|x| >= 40960``) become +-Inf (0x6F/0xEF), or +-32768
+    (0x6E/0xEE) when ``saturate``. +-Inf always stays +-Inf, NaN -> 0x80, ``|x| < 2**-23`` -> 0x00.
+    """
+    half_t, keep_t, packed_t = _encode_tables(x.device)
+    bits = x.to(torch.float32).view(torch.int32)
+    mag = bits & FP32_ABS_MASK
+    if saturate:
+        mag = torch.where((mag > _HIF8_MAX_BITS) & (mag < FP32_INF_BITS), _HIF8_MAX_BITS, mag)
+    field = mag >> FP32_MANTISSA_BITS
+    rounded = (mag + torch.index_select(half_t, 0, field.flatten()).view_as(mag))
+    rounded &= torch.index_select(keep_t, 0, field.flatten()).view_as(mag)
+    packed = torch.index_select(packed_t, 0, (rounded >> FP32_MANTISSA_BITS).flatten()).view_as(mag)
+    code = (rounded >> (packed & 0xFF)) + (packed >> 8)
+    code = torch.where(code == 0, 0, code | ((bits >> 24) & HIF8_SIGN))  # no -0: 0x80 is NaN
+    code = torch.where(mag > FP32_INF_BITS, HIF8_NAN, code)
+    return code.to(torch.uint8)
+
+
+def decode(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 HiF8 codes -> float32 values (exact), through a 256-entry table."""
+    table = _decode_table(codes.device)
+    return torch.index_select(table, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+
+
+def round_to_hif8(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+    """``decode(encode(x))``: ``x`` rounded to the nearest HiF8 value, as float32."""
+    return decode(encode(x, saturate))
+
+
+def current_scale(amax: torch.Tensor, format_max: float) -> torch.Tensor:
+    """Current-scaling factor, float32: ``amax / format_max`` where finite and > 0, else 1.0.
+
+    Elementwise, so a scalar ``amax`` gives a scalar scale and ``[E]`` gives ``[E]``.
+    """
+    amax = amax.to(torch.float32)
+    ok = torch.isfinite(amax) & (amax > 0)
+    return torch.where(ok, amax / format_max, torch.ones_like(amax))
+
+
+def _broadcast_scale(scale: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Scalar stays scalar; ``[E]`` (leading groups) becomes ``[E, 1, ..., 1]``."""
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    return scale.reshape(tuple(scale.shape) + (1,) * (ndim - scale.dim()))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+    """HiF8 codes of ``x / scale`` (true FP32 division), ``x: [E, ...]``, ``scale`` scalar or ``[E]``.
+
+    ``saturate`` defaults to False: with ``scale = amax / format_max`` every finite element
+    lands inside +-format_max (<= 224 << 32768) so nothing saturates, and a NaN/Inf input keeps
+    its NaN/Inf code instead of being hidden as 32768.
+    """
+    return encode(x.to(torch.float32) / _broadcast_scale(scale, x.dim()).to(x.device), saturate)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``decode(codes) * scale``, ``scale`` scalar or ``[E]`` for ``codes: [E, ...]``."""
+    return decode(codes) * _broadcast_scale(scale, codes.dim()).to(codes.device)
+
+
+__all__ = ["HIF8_MAX", "current_scale", "decode", "dequantize", "encode", "quantize", "round_to_hif8"]
