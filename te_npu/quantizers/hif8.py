@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from te_npu.formats import Format, Orientation
-from te_npu.numerics import hif8
+from te_npu import ops
 from te_npu.tensor.operand import QuantizedOperand
 
 __all__ = ["HiF8Quantizer", "hif8_amax"]
@@ -45,9 +45,10 @@ class HiF8Quantizer:
         """Quantize ``tensor``; ``group_list`` is accepted and ignored (one scale per 2D operand)."""
         if orientation not in ("row", "col"):
             raise ValueError(f"orientation must be 'row' or 'col', got {orientation!r}")
-        scale = hif8.current_scale(hif8_amax(tensor), self.format_max)
-        return QuantizedOperand(hif8.quantize(tensor, scale), scale, tensor.dtype, self.format, orientation)
+        codes, scale = ops.hif8_quantize(tensor, self.format_max, orientation=orientation)
+        return QuantizedOperand(codes, scale, tensor.dtype, self.format, orientation)
 
     def quantize_with_scale(self, tensor: torch.Tensor, scale: torch.Tensor) -> QuantizedOperand:
         """Quantize with a given FP32 scale (e.g. one agreed on across FSDP ranks)."""
-        return QuantizedOperand(hif8.quantize(tensor, scale), scale, tensor.dtype, self.format, "row")
+        codes = ops.hif8_quantize_with_scale(tensor, scale, orientation="row")
+        return QuantizedOperand(codes, scale, tensor.dtype, self.format, "row")

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from te_npu.formats import Format, Orientation
-from te_npu.numerics import mxfp8
+from te_npu import ops
 from te_npu.tensor.operand import QuantizedOperand
 
 __all__ = ["MXFP8Quantizer"]
@@ -41,14 +41,14 @@ class MXFP8Quantizer:
             if tensor.dim() != 2:
                 raise ValueError(f"grouped col quantization needs a 2D [T, K] tensor, got shape {tuple(tensor.shape)}")
             group_sizes = group_list.to(device=tensor.device, dtype=torch.int64)
-            data, scale = mxfp8.quantize_grouped(tensor, group_sizes, self.block_size, self.scale_alg)
+            data, scale = ops.mxfp8_quantize_grouped(tensor, group_sizes, self.block_size, self.scale_alg)
             return QuantizedOperand(data, scale, tensor.dtype, self.format, "col", group_sizes)
-        data, scale = mxfp8.quantize(tensor, axis=_AXIS[orientation], block_size=self.block_size, scale_alg=self.scale_alg)
+        data, scale = ops.mxfp8_quantize(tensor, axis=_AXIS[orientation], block_size=self.block_size, scale_alg=self.scale_alg)
         return QuantizedOperand(data, scale, tensor.dtype, self.format, orientation)
 
     def quantize_dual(self, tensor: torch.Tensor) -> tuple[QuantizedOperand, QuantizedOperand]:
         """Row and col operands of a weight ``[..., N, K]``, both from the high-precision values."""
-        row_data, row_scale, col_data, col_scale = mxfp8.quantize_dual(tensor, self.block_size, self.scale_alg)
+        row_data, row_scale, col_data, col_scale = ops.mxfp8_quantize_dual(tensor, self.block_size, self.scale_alg)
         return (
             QuantizedOperand(row_data, row_scale, tensor.dtype, self.format, "row"),
             QuantizedOperand(col_data, col_scale, tensor.dtype, self.format, "col"),
