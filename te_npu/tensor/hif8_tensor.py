@@ -1,0 +1,129 @@
+"""``HiF8Tensor``: a weight stored as HiFloat8 codes with an FP32 current scale (spec section 7.3).
+
+Shape legend: ``N`` = out features, ``K`` = in features, ``E`` = experts.
+
+    qdata  uint8 HiF8 codes [N, K] or [E, N, K]
+    scale  float32          []     or [E]        (value = decode(qdata) * scale)
+
+The codes are called ``qdata`` (as in torchao's MXTensor), not ``data``: ``torch.Tensor.data``
+is the detached-alias property every tensor has, and shadowing it would break
+``nn.Module`` / optimizer code that reads ``param.data``.
+
+The scale is per tensor (per expert for 3D), independent of row/col blocking, so there is
+one copy of the data: ``select("row")`` and ``select("col")`` return the same tensors and
+differ only in the operand's orientation (the GEMM reads it transposed or not).
+
+Dim-0 slicing (FSDP2 shards dim 0): 2D qdata splits by rows and every chunk *shares* the one
+scalar scale tensor (a view, like the data); the FSDP2 extension gathers it replicated and
+checks that ranks agree. 3D qdata and ``scale[E]`` split together along experts.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from te_npu.formats import Format, Orientation
+from te_npu.numerics import hif8
+from te_npu.numerics.constants import HIF8_INPUT_MAX
+from te_npu.quantizers.hif8 import HiF8Quantizer  # submodule: te_npu.quantizers imports tensor.operand
+from te_npu.tensor.operand import QuantizedOperand
+from te_npu.tensor.weight import QuantizedWeightTensor
+
+__all__ = ["HiF8Tensor"]
+
+
+class HiF8Tensor(QuantizedWeightTensor):
+    """Persistent HiF8 weight ``[N, K]`` (scalar scale) or ``[E, N, K]`` (per-expert scale)."""
+
+    _inner_fields: ClassVar[tuple[str, ...]] = ("qdata", "scale")
+    _handlers: ClassVar[dict] = {}  # format-specific aten handlers (none yet); base table applies
+    format: ClassVar[Format] = Format.HIF8
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def from_high_precision(
+        cls,
+        w: torch.Tensor,
+        quantizer: HiF8Quantizer | None = None,
+        *,
+        scale: torch.Tensor | None = None,
+        requires_grad: bool = False,
+    ) -> "HiF8Tensor":
+        """Quantize ``w: [N, K]`` or ``[E, N, K]``; current scaling unless ``scale`` ([] / [E]) is given.
+
+        The default quantizer targets ``HIF8_INPUT_MAX`` (15.0), the weight role's maximum.
+        """
+        quantizer = quantizer or HiF8Quantizer(HIF8_INPUT_MAX)
+        if w.dim() not in (2, 3):
+            raise ValueError(f"HiF8Tensor: expected a 2D [N, K] or 3D [E, N, K] weight, got shape {list(w.shape)}")
+        operand = _quantize(quantizer, w.detach(), scale)
+        inner = {"qdata": operand.data, "scale": operand.scale.to(torch.float32).clone()}
+        return cls._make(inner, shape=w.shape, logical_dtype=w.dtype, quantizer=quantizer, requires_grad=requires_grad)
+
+    def _check_inner(self) -> None:
+        shape = list(self.weight_shape)
+        want_scale = shape[:1] if len(shape) == 3 else []
+        if len(shape) not in (2, 3) or self.qdata.dtype != torch.uint8:
+            raise ValueError(f"HiF8Tensor.qdata: expected uint8 [N, K] or [E, N, K], got {self.qdata.dtype}{shape}")
+        if list(self.scale.shape) != want_scale or self.scale.dtype != torch.float32:
+            raise ValueError(
+                f"HiF8Tensor.scale: expected float32{want_scale} for weight {shape}, "
+                f"got {self.scale.dtype}{list(self.scale.shape)}"
+            )
+
+    def select(self, orientation: Orientation) -> QuantizedOperand:  # type: ignore[override]
+        """The one stored payload, labelled ``row`` or ``col`` (same data and scale tensors)."""
+        self._require_weight_shape("select")
+        if orientation not in ("row", "col"):
+            raise ValueError(
+                f"HiF8Tensor.select: orientation must be 'row' or 'col', got {orientation!r} "
+                "(torch.Tensor.select(dim, index) is not available on quantized weights)"
+            )
+        return QuantizedOperand(self.qdata, self.scale, self.dtype, self.format, orientation)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+        """``decode(qdata) * scale`` in ``dtype`` (default: the logical dtype)."""
+        self._require_weight_shape("dequantize")
+        return hif8.dequantize(self.qdata, self.scale).to(dtype or self.dtype)
+
+    def refresh_from_master(self, master_shard: torch.Tensor, *, scale: torch.Tensor | None = None) -> None:
+        """Re-quantize from ``master_shard`` (same shape) into the existing data and scale.
+
+        ``scale``: the FP32 scale to use (the optimizer passes the FSDP-group MAX-reduced
+        ``amax / 15`` for a dense shard, so every rank quantizes with the same scalar);
+        ``None`` computes the current scale of ``master_shard``.
+        """
+        self._require_weight_shape("refresh_from_master")
+        if list(master_shard.shape) != list(self.shape):
+            raise ValueError(f"refresh_from_master: master shape {list(master_shard.shape)} != weight {list(self.shape)}")
+        if scale is not None and list(scale.shape) != list(self.scale.shape):
+            raise ValueError(f"refresh_from_master: scale shape {list(scale.shape)} != {list(self.scale.shape)}")
+        self._store(_quantize(self._quantizer, master_shard.detach(), scale))
+
+    def _requantize_(self, high_precision: torch.Tensor) -> None:
+        self._store(_quantize(self._quantizer, high_precision.detach(), None))
+
+    def _store(self, operand: QuantizedOperand) -> None:
+        with torch.no_grad():
+            self.qdata.copy_(operand.data)
+            self.scale.copy_(operand.scale)
+
+    def _slice_dim0(self, start: int, stop: int) -> "HiF8Tensor":
+        scale = self.scale[start:stop] if self.dim() == 3 else self.scale  # 2D: shared scalar
+        shape = [stop - start] + list(self.shape[1:])
+        return self._rewrap({"qdata": self.qdata[start:stop], "scale": scale}, shape)
+
+    def _zeros_like_rows(self, rows: int) -> "HiF8Tensor":
+        # Equal to quantizing zeros: code 0x00 and the current scale of an all-zero tensor (1.0).
+        qdata = self.qdata.new_zeros([rows] + list(self.qdata.shape[1:]))
+        scale = self.scale.new_ones([rows] if self.dim() == 3 else [])
+        return self._rewrap({"qdata": qdata, "scale": scale}, [rows] + list(self.shape[1:]))
+
+
+def _quantize(quantizer: HiF8Quantizer, w: torch.Tensor, scale: torch.Tensor | None) -> QuantizedOperand:
+    if scale is None:
+        return quantizer.quantize(w, orientation="row")
+    return quantizer.quantize_with_scale(w, scale.to(device=w.device, dtype=torch.float32))

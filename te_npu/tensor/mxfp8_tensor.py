@@ -1,0 +1,154 @@
+"""``MXFP8Tensor``: a weight stored as MXFP8 row and col copies (spec section 7.2).
+
+Shape legend: ``N`` = out features (rows), ``K`` = in features, ``E`` = experts, ``B`` = 32.
+
+    row_data  float8_e4m3fn [..., N, K]        blocked along K (fprop "NT" reads it)
+    row_scale uint8 E8M0    [..., N, K // B]
+    col_data  float8_e4m3fn [..., N, K]        blocked along N (dgrad "NN" reads it)
+    col_scale uint8 E8M0    [..., N // B, K]
+
+Both copies are quantized from the high-precision master (never col from row): requantizing
+an already-rounded copy along the other axis would add a second rounding.
+
+Dim-0 slicing (FSDP2 shards dim 0): for a 3D weight every inner tensor has ``E`` first, so
+experts split cleanly. For a 2D weight ``col_scale`` has one row per 32 weight rows, so a
+dim-0 boundary is legal only at a multiple of 32 (FSDP2's validation asks local rows % 64).
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from te_npu.formats import Format, Orientation
+from te_npu.quantizers.mxfp8 import MXFP8Quantizer  # submodule: te_npu.quantizers imports tensor.operand
+from te_npu.numerics import mxfp8
+from te_npu.tensor.operand import QuantizedOperand
+from te_npu.tensor.weight import QuantizedWeightTensor
+
+__all__ = ["MXFP8Tensor"]
+
+_E4M3 = torch.float8_e4m3fn
+_E8M0_CODES = torch.uint8
+
+
+class MXFP8Tensor(QuantizedWeightTensor):
+    """Persistent MXFP8 weight ``[N, K]`` or ``[E, N, K]``: E4M3 row/col data + E8M0 scales."""
+
+    _inner_fields: ClassVar[tuple[str, ...]] = ("row_data", "row_scale", "col_data", "col_scale")
+    _handlers: ClassVar[dict] = {}  # format-specific aten handlers (none yet); base table applies
+    format: ClassVar[Format] = Format.MXFP8_E4M3
+
+    row_data: torch.Tensor
+    row_scale: torch.Tensor
+    col_data: torch.Tensor
+    col_scale: torch.Tensor
+
+    @classmethod
+    def from_high_precision(
+        cls,
+        w: torch.Tensor,
+        quantizer: MXFP8Quantizer | None = None,
+        *,
+        requires_grad: bool = False,
+    ) -> "MXFP8Tensor":
+        """Quantize ``w: [N, K]`` or ``[E, N, K]`` (N and K multiples of 32) into row and col copies."""
+        quantizer = quantizer or MXFP8Quantizer()
+        if w.dim() not in (2, 3):
+            raise ValueError(f"MXFP8Tensor: expected a 2D [N, K] or 3D [E, N, K] weight, got shape {list(w.shape)}")
+        row, col = quantizer.quantize_dual(w.detach())
+        inner = {"row_data": row.data, "row_scale": row.scale, "col_data": col.data, "col_scale": col.scale}
+        return cls._make(inner, shape=w.shape, logical_dtype=w.dtype, quantizer=quantizer, requires_grad=requires_grad)
+
+    def _check_inner(self) -> None:
+        shape = list(self.weight_shape)
+        block = self._quantizer.block_size
+        if len(shape) not in (2, 3) or shape[-1] % block or shape[-2] % block:
+            raise ValueError(f"MXFP8Tensor: weight shape {shape} must be [..., N, K] with N, K multiples of {block}")
+        expected = {
+            "row_data": (shape, _E4M3),
+            "row_scale": (shape[:-1] + [shape[-1] // block], _E8M0_CODES),
+            "col_data": (shape, _E4M3),
+            "col_scale": (shape[:-2] + [shape[-2] // block, shape[-1]], _E8M0_CODES),
+        }
+        for name, (want_shape, want_dtype) in expected.items():
+            t = getattr(self, name)
+            if list(t.shape) != want_shape or t.dtype != want_dtype:
+                raise ValueError(
+                    f"MXFP8Tensor.{name}: expected {want_dtype}{want_shape}, got {t.dtype}{list(t.shape)}"
+                )
+
+    def select(self, orientation: Orientation) -> QuantizedOperand:  # type: ignore[override]
+        """The stored ``row`` (blocked along K) or ``col`` (blocked along N) copy, no copy made."""
+        self._require_weight_shape("select")
+        if orientation in ("row", "col"):
+            data, scale = getattr(self, f"{orientation}_data"), getattr(self, f"{orientation}_scale")
+            if data.numel() and data.untyped_storage().nbytes() == 0:
+                # An FSDP2 forward all-gather with reshard_after_forward=True brings only the
+                # row copy; the col copy is a storage-free placeholder until the backward gather.
+                raise RuntimeError(
+                    f"MXFP8Tensor.select({orientation!r}): the {orientation} copy of this {list(self.shape)} "
+                    "weight is not materialized (an FSDP2 forward-only all-gather does not bring it)"
+                )
+            return QuantizedOperand(data, scale, self.dtype, self.format, orientation)
+        raise ValueError(
+            f"MXFP8Tensor.select: orientation must be 'row' or 'col', got {orientation!r} "
+            "(torch.Tensor.select(dim, index) is not available on quantized weights)"
+        )
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+        """Value of the row copy (the forward operand), in ``dtype`` (default: the logical dtype)."""
+        self._require_weight_shape("dequantize")
+        value = mxfp8.dequantize(self.row_data, self.row_scale, axis=-1, block_size=self._quantizer.block_size)
+        return value.to(dtype or self.dtype)
+
+    def refresh_from_master(self, master_shard: torch.Tensor, *, scale: torch.Tensor | None = None) -> None:
+        """Re-quantize both copies from ``master_shard`` (same shape) into the existing storage.
+
+        ``scale`` is accepted for a uniform optimizer call and ignored: MX scales are per block.
+        """
+        self._require_weight_shape("refresh_from_master")
+        if list(master_shard.shape) != list(self.shape):
+            raise ValueError(f"refresh_from_master: master shape {list(master_shard.shape)} != weight {list(self.shape)}")
+        self._requantize_(master_shard)
+
+    def _requantize_(self, high_precision: torch.Tensor) -> None:
+        row, col = self._quantizer.quantize_dual(high_precision.detach())
+        with torch.no_grad():
+            self.row_data.copy_(row.data)
+            self.row_scale.copy_(row.scale)
+            self.col_data.copy_(col.data)
+            self.col_scale.copy_(col.scale)
+
+    def _slice_dim0(self, start: int, stop: int) -> "MXFP8Tensor":
+        shape = list(self.shape)
+        if self.dim() == 3:  # experts: every inner tensor has E first
+            return self._rewrap({n: t[start:stop] for n, t in self._inner().items()}, [stop - start] + shape[1:])
+        block = self._quantizer.block_size
+        for boundary in (start, stop):
+            if boundary % block:
+                raise ValueError(
+                    f"MXFP8Tensor {shape}: dim-0 boundary {boundary} is not a multiple of {block}; "
+                    "col_scale holds one row per 32 weight rows, so shards must start and end on 32-row blocks"
+                )
+        inner = {
+            "row_data": self.row_data[start:stop],
+            "row_scale": self.row_scale[start:stop],
+            "col_data": self.col_data[start:stop],
+            "col_scale": self.col_scale[start // block : stop // block],
+        }
+        return self._rewrap(inner, [stop - start] + shape[1:])
+
+    def _zeros_like_rows(self, rows: int) -> "MXFP8Tensor":
+        shape = [rows] + list(self.shape[1:])
+        block = self._quantizer.block_size
+        if self.dim() == 2 and rows % block:
+            raise ValueError(f"MXFP8Tensor {list(self.shape)}: cannot make {rows} rows, not a multiple of {block}")
+        scale_rows = rows if self.dim() == 3 else rows // block
+        inner = {
+            "row_data": self.row_data.new_zeros([rows] + list(self.row_data.shape[1:])),
+            "row_scale": self.row_scale.new_zeros([rows] + list(self.row_scale.shape[1:])),
+            "col_data": self.col_data.new_zeros([rows] + list(self.col_data.shape[1:])),
+            "col_scale": self.col_scale.new_zeros([scale_rows] + list(self.col_scale.shape[1:])),
+        }
+        return self._rewrap(inner, shape)

@@ -1,0 +1,399 @@
+"""``QuantizedWeightTensor``: the persistent 8-bit owner of one TE weight (spec sections 7.2, 7.3, 13.4).
+
+A torch wrapper subclass whose *logical* shape / dtype / device are the high-precision
+weight's (dense ``w: [N, K]``, grouped ``w: [E, N, K]``, usually bf16) and whose storage is
+a fixed set of inner tensors declared once per subclass in ``_inner_fields``. It can be an
+``nn.Parameter``: autograd sees the logical tensor, so a custom autograd Function that
+reads the weight through ``select`` returns a plain ``[N, K]`` gradient for it.
+
+The weight is derived state: it is (re)built from a high-precision master by the
+quantizers (``refresh_from_master``), never by math written here, and it is never
+silently dequantized. ``__torch_dispatch__`` looks each aten op up in a per-class handler
+table (``implements``); an op without a handler raises ``NotImplementedError`` naming it.
+The handlers are the few shape/storage ops that ``nn.Module``, ``nn.Parameter``, state
+dicts, ``copy.deepcopy`` and FSDP2's dim-0 sharding send (each handler says who sends it).
+
+Dim-0 slicing is format specific (which inner tensors follow the rows, and where a legal
+boundary lies); subclasses implement ``_slice_dim0`` and ``_zeros_like_rows`` and the
+shared handlers below build every split / slice / pad from those two.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from te_npu.formats import Format, Orientation
+from te_npu.tensor.operand import QuantizedOperand
+
+__all__ = ["QuantizedWeightTensor", "implements"]
+
+aten = torch.ops.aten
+
+Handler = Callable[[Any, tuple, dict], Any]
+
+
+def implements(table: dict, *ops: Any) -> Callable[[Handler], Handler]:
+    """Register ``handler(func, args, kwargs)`` for each aten overload in ``ops`` into ``table``."""
+
+    def decorator(handler: Handler) -> Handler:
+        for op in ops:
+            table[op] = handler
+        return handler
+
+    return decorator
+
+
+class QuantizedWeightTensor(torch.Tensor):
+    """Base of ``MXFP8Tensor`` / ``HiF8Tensor``: logical weight metadata over 8-bit inner storage.
+
+    Subclasses declare:
+    - ``_inner_fields``: names of the inner tensors, in ``__tensor_flatten__`` order;
+    - ``format``: the ``Format`` of the payload;
+    - ``_handlers``: their own aten table (format-specific entries; looked up before the
+      base table along the MRO);
+    - ``_slice_dim0(start, stop)`` / ``_zeros_like_rows(rows)`` / ``_requantize_(hp)``,
+      ``select``, ``dequantize``, ``refresh_from_master``, ``from_high_precision``.
+
+    ``_quantizer`` (a frozen quantizer, not a tensor) travels in the flatten context, so every
+    derived tensor (split, clone, copy) re-quantizes exactly as the original did.
+    """
+
+    _inner_fields: ClassVar[tuple[str, ...]] = ()
+    _handlers: ClassVar[dict] = {}
+    format: ClassVar[Format]
+
+    @staticmethod
+    def __new__(cls, *args: Any, **kwargs: Any) -> "QuantizedWeightTensor":
+        raise TypeError(f"build a {cls.__name__} with {cls.__name__}.from_high_precision(...) or _make(...)")
+
+    @classmethod
+    def _make(
+        cls,
+        inner: dict[str, torch.Tensor],
+        *,
+        shape: torch.Size | tuple[int, ...],
+        logical_dtype: torch.dtype,
+        quantizer: Any,
+        requires_grad: bool = False,
+    ) -> "QuantizedWeightTensor":
+        """Wrap already-quantized inner tensors (no copy); the single construction path."""
+        missing = [name for name in cls._inner_fields if name not in inner]
+        if missing:
+            raise ValueError(f"{cls.__name__}: missing inner tensor(s) {missing}")
+        first = inner[cls._inner_fields[0]]
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=logical_dtype, device=first.device, requires_grad=requires_grad
+        )
+        for name in cls._inner_fields:
+            setattr(self, name, inner[name])
+        self._quantizer = quantizer
+        weight_shape = list(self.weight_shape)
+        if list(shape) not in (weight_shape, [first.numel()]):
+            raise ValueError(f"{cls.__name__}: logical shape {list(shape)} does not match inner shape {weight_shape}")
+        self._check_inner()
+        return self
+
+    @property
+    def weight_shape(self) -> torch.Size:
+        """Shape of the weight, read off the first inner tensor.
+
+        Equals ``shape`` except on the flat view FSDP2 takes (``view(-1)``), which only
+        supports metadata ops and can be viewed back to ``weight_shape``.
+        """
+        return getattr(self, self._inner_fields[0]).shape
+
+    def _require_weight_shape(self, what: Any) -> None:
+        if self.shape != self.weight_shape:
+            raise NotImplementedError(
+                f"{type(self).__name__} flat view {list(self.shape)} of a {list(self.weight_shape)} weight "
+                f"does not support {what}; view it back to {list(self.weight_shape)} first"
+            )
+
+    def _check_inner(self) -> None:
+        """Raise ``ValueError`` when inner shapes/dtypes do not fit ``weight_shape``."""
+
+    # ---- subclass hooks -------------------------------------------------------------------------
+
+    def _slice_dim0(self, start: int, stop: int) -> "QuantizedWeightTensor":
+        """Rows ``[start, stop)`` along dim 0 as a view of the same storage."""
+        raise NotImplementedError
+
+    def _zeros_like_rows(self, rows: int) -> "QuantizedWeightTensor":
+        """A new tensor with ``rows`` along dim 0, equal to quantizing zeros."""
+        raise NotImplementedError
+
+    def _requantize_(self, high_precision: torch.Tensor) -> None:
+        """Quantize ``high_precision`` (same shape) and copy into the existing storage."""
+        raise NotImplementedError
+
+    def select(self, orientation: Orientation) -> QuantizedOperand:  # type: ignore[override]
+        """The stored payload for one GEMM orientation, as an operand (no copy)."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+        """High-precision value of the weight (logical dtype unless ``dtype`` is given)."""
+        raise NotImplementedError
+
+    # ---- shared machinery -----------------------------------------------------------------------
+
+    def _inner(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self._inner_fields}
+
+    def _rewrap(self, inner: dict[str, torch.Tensor], shape: tuple[int, ...] | torch.Size | None = None):
+        """Same class / logical dtype / quantizer over new inner tensors."""
+        return type(self)._make(
+            inner,
+            shape=self.shape if shape is None else shape,
+            logical_dtype=self.dtype,
+            quantizer=self._quantizer,
+        )
+
+    def _map_inner(self, fn: Callable[[torch.Tensor], torch.Tensor]):
+        return self._rewrap({name: fn(t) for name, t in self._inner().items()})
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        return list(self._inner_fields), {"logical_dtype": self.dtype, "quantizer": self._quantizer}
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
+        return cls._make(
+            dict(inner_tensors), shape=outer_size, logical_dtype=ctx["logical_dtype"], quantizer=ctx["quantizer"]
+        )
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # never reads data
+        inner = ", ".join(f"{name}={getattr(self, name).dtype}{list(getattr(self, name).shape)}" for name in self._inner_fields)
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (
+            f"{type(self).__name__}(format={self.format.value}, shape={list(self.shape)}, "
+            f"logical_dtype={self.dtype}, device={self.device}, {inner}{grad})"
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        handler = next((k.__dict__["_handlers"][func] for k in cls.__mro__ if func in k.__dict__.get("_handlers", ())), None)
+        if handler is None:
+            raise NotImplementedError(f"{cls.__name__} does not support {func}")
+        return handler(func, args, kwargs or {})
+
+    # Pickling (torch.save of a module / state dict): rebuild from the inner tensors.
+    def __reduce_ex__(self, protocol: int):
+        return (
+            _rebuild_quantized_weight,
+            (
+                type(self),
+                self._inner(),
+                tuple(self.shape),
+                self.dtype,
+                self._quantizer,
+                self.requires_grad,
+                getattr(self, "_is_param", False),
+            ),
+        )
+
+
+def _rebuild_quantized_weight(cls, inner, shape, logical_dtype, quantizer, requires_grad, is_param):
+    """Unpickle (``torch.load(..., weights_only=False)``); restores ``nn.Parameter``-ness."""
+    tensor = cls._make(inner, shape=shape, logical_dtype=logical_dtype, quantizer=quantizer, requires_grad=requires_grad)
+    if is_param:
+        tensor._is_param = True
+    return tensor
+
+
+# ---- shared aten handlers ----------------------------------------------------------------------
+_table = QuantizedWeightTensor._handlers
+
+
+def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Arguments of an aten call by schema name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def _dim0(dim: int, ndim: int, func: Any, cls_name: str) -> None:
+    if dim % ndim != 0:
+        raise NotImplementedError(f"{cls_name} does not support {func} along dim {dim}; only dim 0 is supported")
+
+
+@implements(_table, aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    # nn.Parameter(t) (detach), state_dict() (detach), module.to()/Parameter re-wrapping.
+    return args[0]._map_inner(func)
+
+
+@implements(_table, aten.view.default, aten._unsafe_view.default)
+def _view(func, args, kwargs):
+    # Same-shape views (autograd / nn.Module no-ops) and the flat view FSDP2's
+    # _init_sharded_param takes (`_sharded_param_data = padded.view(-1)`, stored and never
+    # read when the extension hooks exist). A flat view keeps the inner tensors unchanged;
+    # it can be viewed back to the weight shape but not sliced, selected or dequantized.
+    self, size = args[0], _fill(list(args[1]), args[0].numel())
+    if size in (list(self.weight_shape), [self.numel()]):
+        return self._rewrap({n: t.view(t.shape) for n, t in self._inner().items()}, shape=size)
+    raise NotImplementedError(f"{type(self).__name__} does not support {func} to {list(args[1])} from {list(self.shape)}")
+
+
+def _fill(size: list[int], numel: int) -> list[int]:
+    """Resolve one ``-1`` in a view size."""
+    known = 1
+    for s in size:
+        if s != -1:
+            known *= s
+    return [numel // known if s == -1 else s for s in size] if known else size
+
+
+@implements(_table, aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    # FSDP2 init_unsharded_param: as_strided(post_all_gather output, orig size, contiguous
+    # stride, 0) -- an identity view; anything else is refused.
+    call = _bind(func, args, kwargs)
+    self, size, stride, offset = call["self"], list(call["size"]), list(call["stride"]), call["storage_offset"]
+    if size == list(self.shape) and stride == list(self.stride()) and not offset:
+        return self._map_inner(lambda t: t.view(t.shape))
+    raise NotImplementedError(f"{type(self).__name__} does not support {func} with size={size} stride={stride}")
+
+
+@implements(_table, aten.split.Tensor)
+def _split(func, args, kwargs):
+    # torch.chunk / torch.split along dim 0: FSDP2 _chunk_with_empty when sharding.
+    call = _bind(func, args, kwargs)
+    self, split_size, dim = call["self"], call["split_size"], call["dim"]
+    self._require_weight_shape(func)
+    _dim0(dim, self.dim(), func, type(self).__name__)
+    rows = self.shape[0]
+    return [self._slice_dim0(s, min(s + split_size, rows)) for s in range(0, rows, split_size)] or [
+        self._slice_dim0(0, 0)
+    ]
+
+
+@implements(_table, aten.split_with_sizes.default)
+def _split_with_sizes(func, args, kwargs):
+    # torch.split(t, [sizes]) along dim 0: FSDP2 uneven chunking, user code.
+    call = _bind(func, args, kwargs)
+    self, sizes, dim = call["self"], list(call["split_sizes"]), call["dim"]
+    self._require_weight_shape(func)
+    _dim0(dim, self.dim(), func, type(self).__name__)
+    if sum(sizes) != self.shape[0]:
+        raise ValueError(f"split sizes {sizes} do not sum to dim 0 = {self.shape[0]} of {list(self.shape)}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [self._slice_dim0(s, s + n) for s, n in zip(starts, sizes)]
+
+
+@implements(_table, aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    # t.narrow(0, start, length) / t[a:b]: FSDP2 copies a shard into its padded buffer.
+    call = _bind(func, args, kwargs)
+    self, dim, start, end, step = (call[k] for k in ("self", "dim", "start", "end", "step"))
+    self._require_weight_shape(func)
+    _dim0(dim, self.dim(), func, type(self).__name__)
+    if step != 1:
+        raise NotImplementedError(f"{type(self).__name__} does not support {func} with step {step}")
+    rows = self.shape[0]
+    start, stop = slice(start, end).indices(rows)[:2]
+    return self._slice_dim0(start, max(start, stop))
+
+
+@implements(_table, aten.new_zeros.default)
+def _new_zeros(func, args, kwargs):
+    # FSDP2 pads the local shard into param.new_zeros(padded_sharded_size); only dim 0 may change.
+    self, size = args[0], list(args[1])
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != self.dtype:
+        raise NotImplementedError(f"{type(self).__name__} does not support {func} with dtype {dtype}")
+    if len(size) != self.dim() or size[1:] != list(self.shape[1:]):
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support {func} to {size}: only dim 0 of {list(self.shape)} may change"
+        )
+    self._require_weight_shape(func)
+    out = self._zeros_like_rows(size[0])
+    device = kwargs.get("device")
+    return out if device is None or torch.device(device) == out.device else out._map_inner(lambda t: t.to(device))
+
+
+@implements(_table, aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    # torch.empty_like(param): optimizer / checkpoint helpers; zero-filled for determinism.
+    self = args[0]
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != self.dtype:
+        raise NotImplementedError(f"{type(self).__name__} does not support {func} with dtype {dtype}")
+    self._require_weight_shape(func)
+    return self._zeros_like_rows(self.shape[0])
+
+
+@implements(_table, aten.copy_.default)
+def _copy_(func, args, kwargs):
+    # load_state_dict (plain high-precision src -> re-quantize), FSDP2 shard padding
+    # (same-class src -> copy every inner tensor), model.to(...) swaps.
+    dst, src = args[0], args[1]
+    if list(src.shape) != list(dst.shape):
+        raise ValueError(f"copy_: shape {list(src.shape)} does not match {type(dst).__name__} {list(dst.shape)}")
+    if type(src) is type(dst):
+        for name in dst._inner_fields:
+            getattr(dst, name).copy_(getattr(src, name))
+    elif isinstance(src, QuantizedWeightTensor):
+        raise NotImplementedError(f"{type(dst).__name__} cannot copy_ from a {type(src).__name__}")
+    else:
+        dst._require_weight_shape(func)
+        dst._requantize_(src.to(dst.device))
+    return dst
+
+
+@implements(_table, aten.clone.default)
+def _clone(func, args, kwargs):
+    # copy.deepcopy(module) (Tensor.__deepcopy__ clones wrapper subclasses), user clones.
+    fmt = kwargs.get("memory_format")
+    if fmt not in (None, torch.preserve_format, torch.contiguous_format):
+        raise NotImplementedError(f"{type(args[0]).__name__} does not support {func} with memory_format={fmt}")
+    return args[0]._map_inner(lambda t: t.clone())
+
+
+@implements(_table, aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    # module.to(device) / t.to(device) / FSDP2 CPU offload: device moves keep the subclass.
+    # A dtype change would be a silent dequantize: refused (call .dequantize(dtype)).
+    self = args[0]
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != self.dtype:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support {func} to dtype {dtype}; call .dequantize({dtype}) explicitly"
+        )
+    move = {k: kwargs[k] for k in ("device", "non_blocking") if kwargs.get(k) is not None}
+    pin = kwargs.get("pin_memory")
+    out = self._map_inner(lambda t: t.to(copy=True, **move))
+    return out._map_inner(lambda t: t.pin_memory()) if pin else out
+
+
+@implements(_table, aten.zero_.default)
+def _zero_(func, args, kwargs):
+    # module.zero_() style re-initialisation: the weight becomes quantize(zeros) in place.
+    self = args[0]
+    self._require_weight_shape(func)
+    zeros = self._zeros_like_rows(self.shape[0])
+    for name in self._inner_fields:
+        getattr(self, name).copy_(getattr(zeros, name))
+    return self
+
+
+@implements(_table, aten.is_same_size.default)
+def _is_same_size(func, args, kwargs):
+    # autograd / optimizers compare a parameter's size with a gradient's.
+    return list(args[0].shape) == list(args[1].shape)
+
+
+@implements(_table, aten.equal.default)
+def _equal(func, args, kwargs):
+    # torch.equal(a, b): tests and state-dict comparisons; equal payloads, not values.
+    a, b = args
+    return type(a) is type(b) and a.shape == b.shape and all(
+        torch.equal(getattr(a, n), getattr(b, n)) for n in a._inner_fields
+    )

@@ -1,0 +1,154 @@
+"""Aten ops on quantized weights: each handled op keeps every inner tensor consistent;
+anything else raises ``NotImplementedError`` naming the op (never a silent dequantize)."""
+import pytest
+import torch
+from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+from te_npu.tensor import HiF8Tensor, MXFP8Tensor
+
+
+def test_weight_split_then_cat_restores_inner_tensors(weight_kind, make_weight, inner_bits):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    chunks = torch.chunk(t, 2)
+    for name, whole in inner_bits(t).items():
+        parts = [inner_bits(c)[name] for c in chunks]
+        if whole.dim() == 0:  # HiF8 dense: the shared scalar scale
+            assert all(torch.equal(p, whole) for p in parts)
+        else:
+            assert torch.equal(torch.cat(parts), whole), name
+
+
+def test_weight_new_zeros_equals_quantized_zeros(weight_kind, make_weight, assert_same_payload):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    padded_shape = (shape[0] * 2, *shape[1:])
+    z = t.new_zeros(padded_shape)
+    assert type(z) is cls and z.shape == padded_shape and z.dtype == t.dtype
+    assert_same_payload(z, cls.from_high_precision(torch.zeros(padded_shape, dtype=torch.bfloat16)))
+
+
+def test_weight_new_zeros_rejects_other_trailing_dims(weight_kind, make_weight):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    with pytest.raises(NotImplementedError, match="only dim 0"):
+        t.new_zeros((shape[0], *[d * 2 for d in shape[1:]]))
+
+
+def test_weight_fsdp2_shard_sequence_keeps_payload(weight_kind, make_weight, assert_same_payload):
+    """FSDP2 _init_sharded_param on rank 1 of 2: chunk, pad with new_zeros, narrow + copy_, view(-1)."""
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    chunks = _chunk_with_empty(t, 2, dim=0)
+    padded = t.new_zeros(chunks[0].size())
+    padded.narrow(0, 0, chunks[1].size(0)).copy_(chunks[1])
+    flat = padded.view(-1)
+    assert type(flat) is cls and list(flat.shape) == [padded.numel()]
+    local = padded.narrow(0, 0, chunks[1].size(0))
+    assert_same_payload(local, chunks[1])
+    assert flat.view(padded.shape).shape == padded.shape
+    with pytest.raises(NotImplementedError, match="flat view"):
+        flat.select("row")
+
+
+def test_weight_copy_from_same_class_copies_inner_in_place(weight_kind, make_weight, assert_same_payload):
+    cls, shape = weight_kind
+    dst = cls.from_high_precision(make_weight(*shape))
+    src = cls.from_high_precision(make_weight(*shape))
+    ptrs = [x.data_ptr() for x in dst._inner().values()]
+    dst.copy_(src)
+    assert [x.data_ptr() for x in dst._inner().values()] == ptrs
+    assert_same_payload(dst, src)
+
+
+def test_weight_copy_from_high_precision_requantizes(weight_kind, make_weight, assert_same_payload):
+    cls, shape = weight_kind
+    dst = cls.from_high_precision(make_weight(*shape))
+    w = make_weight(*shape)
+    with torch.no_grad():
+        dst.copy_(w)
+    assert_same_payload(dst, cls.from_high_precision(w))
+
+
+def test_weight_copy_from_other_format_raises(make_weight):
+    w = make_weight(64, 64)
+    with pytest.raises(NotImplementedError, match="HiF8Tensor"):
+        MXFP8Tensor.from_high_precision(w).copy_(HiF8Tensor.from_high_precision(w))
+
+
+def test_weight_clone_and_device_move_keep_subclass(weight_kind, make_weight, assert_same_payload):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    for copy in (t.clone(), t.to("cpu", copy=True), t.to(torch.device("cpu"), torch.bfloat16, copy=True)):
+        assert type(copy) is cls
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(copy._inner().values(), t._inner().values()))
+        assert_same_payload(copy, t)
+
+
+def test_weight_dtype_cast_raises(weight_kind, make_weight):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    with pytest.raises(NotImplementedError, match=r"_to_copy.*dequantize"):
+        t.float()
+
+
+@pytest.mark.parametrize(
+    "op, pattern",
+    [
+        pytest.param(lambda t: t + 1, r"aten\.add\.Tensor", id="add"),
+        pytest.param(lambda t: t.sum(), r"aten\.sum\.default", id="sum"),
+        pytest.param(lambda t: t.t() if t.dim() == 2 else t.transpose(1, 2), r"aten\.(t\.default|transpose\.int)", id="transpose"),
+        pytest.param(lambda t: t.reshape(-1, 8), r"aten\.view\.default", id="reshape"),
+        pytest.param(lambda t: torch.split(t, 16, dim=1), "along dim 1", id="split_dim1"),
+        pytest.param(lambda t: t.mul_(2), r"aten\.mul_\.Tensor", id="mul_"),
+    ],
+)
+def test_weight_unsupported_op_raises_naming_it(weight_kind, make_weight, op, pattern):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    with pytest.raises(NotImplementedError, match=rf"{cls.__name__} does not support .*{pattern}"):
+        op(t)
+
+
+def test_weight_equal_and_is_same_size(weight_kind, make_weight):
+    cls, shape = weight_kind
+    w = make_weight(*shape)
+    a, b = cls.from_high_precision(w), cls.from_high_precision(w)
+    assert torch.equal(a, b) and a.is_same_size(b)
+    assert not torch.equal(a, cls.from_high_precision(w * 2 + 1))
+
+
+def test_weight_zero_makes_quantized_zeros(weight_kind, make_weight, assert_same_payload):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    t.zero_()
+    assert_same_payload(t, cls.from_high_precision(torch.zeros(shape, dtype=torch.bfloat16)))
+
+
+def test_weight_repr_shows_format_and_shapes(weight_kind, make_weight):
+    cls, shape = weight_kind
+    text = repr(cls.from_high_precision(make_weight(*shape)))
+    assert text.startswith(f"{cls.__name__}(format=") and str(list(shape)) in text and "uint8" in text
+
+
+def test_weight_rejects_1d_weight(weight_kind):
+    cls, _ = weight_kind
+    with pytest.raises(ValueError, match="2D"):
+        cls.from_high_precision(torch.zeros(64))
+
+
+def test_weight_as_strided_identity_only(weight_kind, make_weight, assert_same_payload):
+    """FSDP2 init_unsharded_param: as_strided(post-all-gather tensor, orig size, contiguous stride, 0)."""
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    same = torch.as_strided(t, t.shape, t.stride(), 0)
+    assert type(same) is cls
+    assert_same_payload(same, t)
+    with pytest.raises(NotImplementedError, match="as_strided"):
+        torch.as_strided(t, (shape[0] // 2, *shape[1:]), t.stride(), 0)
+
+
+def test_weight_empty_like_is_quantized_zeros(weight_kind, make_weight, assert_same_payload):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    assert_same_payload(torch.empty_like(t), cls.from_high_precision(torch.zeros(shape, dtype=torch.bfloat16)))
