@@ -46,6 +46,7 @@ class QuantEvent:
 
     format: ``Format`` value string; orientation: "row", "col", "dual" (row + col of a weight),
     or None when the caller did not say (HiF8 data is the same for both); shape: source shape;
+    format_max: HiF8 current scaling's target maximum (15.0 input/weight, 224.0 gradient);
     grouped: whether blocks restart at group boundaries; amax/scale: HiF8 only (FP32, ``[]``
     or ``[E]``; amax is None where the backend does not report it); backend name.
     """
@@ -57,6 +58,7 @@ class QuantEvent:
     grouped: bool = False
     amax: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    format_max: float | None = None
 
 
 _OBSERVERS: list[Callable[[object], None]] = []

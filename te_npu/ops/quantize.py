@@ -57,7 +57,7 @@ def hif8_quantize(x: torch.Tensor, format_max: float, *, orientation: str | None
     (1.0 when amax is zero or not finite)."""
     backend = backend_for(x.device)
     codes, scale, amax = backend.hif8_quantize(x, format_max)
-    _event(Format.HIF8.value, orientation, x, backend, amax=amax, scale=scale)
+    _event(Format.HIF8.value, orientation, x, backend, amax=amax, scale=scale, format_max=float(format_max))
     return codes, scale
 
 

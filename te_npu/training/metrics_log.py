@@ -1,0 +1,245 @@
+"""Run metrics: Megatron-style step lines, ``metrics.jsonl``, optional TensorBoard, peak memory.
+
+Only rank 0 writes: on other ranks ``MetricsLogger`` is silent and creates no files.
+
+``metrics.jsonl`` holds one JSON object per line:
+
+- ``{"kind": "config", "time", "config": {...}}`` - the resolved config, once per start;
+- ``{"kind": "train", "step", "train_steps", "time", "lm_loss", "lr", "grad_norm",
+  "elapsed_ms", "tokens_per_s", "global_batch_size", "consumed_samples",
+  "skipped_iterations", "peak_mem_mb", ...extra}``;
+- ``{"kind": "val", "step", "time", "lm_loss", "ppl"}``.
+
+Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON;
+``float()`` reads them back). The file is appended to, so a resumed run continues it; readers
+keep the last record of each (kind, step).
+"""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MetricsLogger", "format_step_line", "format_validation_line", "peak_memory_mb", "read_metrics"]
+
+
+_TB_TAGS = {  # TensorBoard tag -> train record field
+    "lm-loss/train": "lm_loss",
+    "learning-rate": "lr",
+    "grad-norm": "grad_norm",
+    "tokens-per-second": "tokens_per_s",
+    "iteration-time-ms": "elapsed_ms",
+    "peak-mem-mb": "peak_mem_mb",
+}
+
+
+def format_step_line(
+    *,
+    step: int,
+    train_steps: int,
+    consumed_samples: int,
+    elapsed_ms: float,
+    lr: float,
+    global_batch_size: int,
+    lm_loss: float,
+    grad_norm: float | None,
+    skipped_iterations: int,
+    tokens_per_s: float,
+    peak_mem_mb: float | None,
+) -> str:
+    """One Megatron-style training line (``grad_norm`` None when clipping is off and unmeasured)."""
+    fields = [
+        f" iteration {step:8d}/{train_steps:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+        f"learning rate: {lr:.3E}",
+        f"global batch size: {global_batch_size:5d}",
+        f"lm loss: {lm_loss:.6E}",
+        f"grad norm: {'n/a' if grad_norm is None else f'{grad_norm:.3f}'}",
+        f"skipped iterations: {skipped_iterations:3d}",
+        f"tokens/s: {tokens_per_s:.1f}",
+        f"peak mem (MB): {'n/a' if peak_mem_mb is None else f'{peak_mem_mb:.1f}'}",
+    ]
+    return " | ".join(fields) + " |"
+
+
+def format_validation_line(*, step: int, lm_loss: float) -> str:
+    """Megatron's validation line: loss and perplexity."""
+    return f" validation loss at iteration {step} | lm loss value: {lm_loss:.6E} | lm loss PPL: {_ppl(lm_loss):.6E} |"
+
+
+def peak_memory_mb(device: torch.device | str) -> float:
+    """Peak memory in MiB: ``max_memory_allocated`` on cuda/npu, process max RSS on CPU.
+
+    For ``npu`` the caller has imported torch_npu already (it registers ``torch.npu``).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "max_memory_allocated"):
+        raise RuntimeError(f"peak_memory_mb: torch.{device.type}.max_memory_allocated is not available")
+    return backend.max_memory_allocated(device) / 2**20
+
+
+class MetricsLogger:
+    """Step/validation logging for rank 0: stdout line, jsonl record, TensorBoard scalars.
+
+    ``tensorboard=True`` uses ``torch.utils.tensorboard.SummaryWriter`` when the
+    ``tensorboard`` package is importable; otherwise a note is printed and the run goes on.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        train_steps: int,
+        rank: int = 0,
+        jsonl_name: str = "metrics.jsonl",
+        tensorboard: bool = False,
+        print_fn: Callable[[str], None] = print,
+    ):
+        self.enabled = rank == 0
+        self.train_steps = train_steps
+        self.log_dir = Path(log_dir)
+        self.jsonl_path = self.log_dir / jsonl_name
+        self._print = print_fn
+        self._jsonl = None
+        self._tb = None
+        if not self.enabled:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            self._tb = _open_tensorboard(self.log_dir / "tensorboard", print_fn)
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        """Record the resolved config (jsonl ``config`` record)."""
+        self._write({"kind": "config", "time": time.time(), "config": config})
+
+    def log_step(
+        self,
+        step: int,
+        *,
+        lm_loss: float,
+        lr: float,
+        grad_norm: float | None,
+        elapsed_ms: float,
+        global_batch_size: int,
+        consumed_samples: int,
+        tokens_per_s: float,
+        skipped_iterations: int = 0,
+        peak_mem_mb: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str | None:
+        """Print the step line and record it; returns the line (None on ranks != 0)."""
+        if not self.enabled:
+            return None
+        values = dict(
+            lm_loss=float(lm_loss),
+            lr=float(lr),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            elapsed_ms=float(elapsed_ms),
+            global_batch_size=int(global_batch_size),
+            consumed_samples=int(consumed_samples),
+            tokens_per_s=float(tokens_per_s),
+            skipped_iterations=int(skipped_iterations),
+            peak_mem_mb=None if peak_mem_mb is None else float(peak_mem_mb),
+        )
+        line = format_step_line(step=step, train_steps=self.train_steps, **values)
+        self._print(line)
+        record = {"kind": "train", "step": step, "train_steps": self.train_steps, "time": time.time(), **values}
+        self._write({**record, **(extra or {})})
+        self._scalars(step, {tag: values[key] for tag, key in _TB_TAGS.items()})
+        return line
+
+    def log_validation(self, step: int, *, lm_loss: float) -> str | None:
+        """Print and record a validation result (mean loss over the eval batches)."""
+        if not self.enabled:
+            return None
+        line = format_validation_line(step=step, lm_loss=float(lm_loss))
+        self._print(line)
+        self._write({"kind": "val", "step": step, "time": time.time(), "lm_loss": float(lm_loss), "ppl": _ppl(lm_loss)})
+        self._scalars(step, {"lm-loss/validation": float(lm_loss)})
+        return line
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._jsonl is None:
+            return
+        self._jsonl.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+        self._jsonl.flush()
+
+    def _scalars(self, step: int, scalars: dict[str, float | None]) -> None:
+        if self._tb is None:
+            return
+        for tag, value in scalars.items():
+            if value is not None:
+                self._tb.add_scalar(tag, value, step)
+        self._tb.flush()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl``, non-finite strings turned back into floats, the last
+    record of each (kind, step) kept, in step order per kind."""
+    latest: dict[tuple[str, Any], dict[str, Any]] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = _json_restore(json.loads(line))
+            latest[(record.get("kind"), record.get("step"))] = record
+    return sorted(latest.values(), key=lambda r: (str(r.get("kind")), r.get("step") or 0))
+
+
+def _open_tensorboard(path: Path, print_fn: Callable[[str], None]) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # needs the optional `tensorboard` package
+    except ImportError as exc:
+        print_fn(f"note: TensorBoard logging requested but unavailable ({exc}); continuing without it")
+        return None
+    return SummaryWriter(log_dir=str(path))
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(float(loss), 700.0)) if math.isfinite(loss) else float("nan")
+
+
+_NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _json_restore(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: (v if k == "config" else _json_restore(v)) for k, v in value.items()}
+    if isinstance(value, str) and value in _NON_FINITE:
+        return _NON_FINITE[value]
+    return value

@@ -1,0 +1,69 @@
+"""Training curves of one or several runs in one PNG (loss train + val, grad norm, tokens/s, lr)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+
+from te_npu.training.metrics_log import read_metrics  # noqa: E402
+
+__all__ = ["PANELS", "read_run", "series", "plot_runs"]
+
+PANELS = (  # (title, record kind, field, log-scale y)
+    ("lm loss", "train", "lm_loss", False),
+    ("grad norm", "train", "grad_norm", True),
+    ("tokens/s", "train", "tokens_per_s", False),
+    ("learning rate", "train", "lr", False),
+)
+
+
+def read_run(path: Path, jsonl_name: str = "metrics.jsonl") -> list[dict]:
+    """Records of a run directory (or of a metrics.jsonl file itself)."""
+    jsonl = path if path.is_file() else path / jsonl_name
+    if not jsonl.is_file():
+        raise FileNotFoundError(f"plot_runs: {jsonl} not found")
+    return read_metrics(jsonl)
+
+
+def series(records: list[dict], kind: str, key: str, smooth: float = 0.0) -> tuple[list[int], list[float]]:
+    """(steps, values) of one field; EMA-smoothed when ``smooth`` in (0, 1)."""
+    points = [(r["step"], r[key]) for r in records if r.get("kind") == kind and isinstance(r.get(key), (int, float))]
+    steps, values = [p[0] for p in points], [float(p[1]) for p in points]
+    if smooth > 0:
+        ema, out = None, []
+        for v in values:
+            ema = v if ema is None or not math.isfinite(ema) else smooth * ema + (1 - smooth) * v
+            out.append(ema)
+        values = out
+    return steps, values
+
+
+def plot_runs(runs: list[tuple[str, list[dict]]], out: Path, smooth: float = 0.0, title: str | None = None) -> Path:
+    """Draw ``[(name, records)]`` into a 2x2 PNG at ``out``; returns ``out``."""
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (name, records), color in zip(runs, colors * (len(runs) // len(colors) + 1)):
+        for ax, (panel, kind, key, logy) in zip(axes.flat, PANELS):
+            steps, values = series(records, kind, key, smooth if key == "lm_loss" else 0.0)
+            ax.plot(steps, values, color=color, label=f"{name} (train)" if key == "lm_loss" else name, linewidth=1.2)
+            if key == "lm_loss":
+                vsteps, vvalues = series(records, "val", "lm_loss")
+                ax.plot(vsteps, vvalues, color=color, linestyle="--", marker="o", markersize=3, label=f"{name} (val)")
+            ax.set_title(panel)
+            ax.set_xlabel("iteration")
+            if logy and any(v > 0 for v in values):
+                ax.set_yscale("log")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,69 @@
+"""Megatron-style step lines, metrics.jsonl records, rank-0-only writing, optional TensorBoard."""
+import json
+import math
+import re
+import sys
+
+import pytest
+
+from te_npu.training.metrics_log import MetricsLogger, format_step_line, peak_memory_mb, read_metrics
+
+STEP = dict(lm_loss=5.123, lr=3e-4, grad_norm=1.2345, elapsed_ms=812.46, global_batch_size=8,
+            consumed_samples=40, tokens_per_s=2520.7, skipped_iterations=0, peak_mem_mb=1234.5)
+
+
+def test_metrics_step_line_format():
+    line = format_step_line(step=5, train_steps=300, **STEP)
+    assert line.startswith(" iteration        5/     300 | consumed samples:")
+    for part in ("elapsed time per iteration (ms): 812.5", "learning rate: 3.000E-04", "global batch size:     8",
+                 "lm loss: 5.123000E+00", "grad norm: 1.234", "skipped iterations:   0", "tokens/s: 2520.7",
+                 "peak mem (MB): 1234.5"):
+        assert f"| {part} |" in line, part
+    assert re.fullmatch(r" iteration +\d+/ +\d+( \| [^|]+: [^|]+)+ \|", line)
+    assert "grad norm: n/a" in format_step_line(step=1, train_steps=1, **{**STEP, "grad_norm": None})
+
+
+def test_metrics_logger_jsonl_records(tmp_path):
+    printed = []
+    with MetricsLogger(tmp_path / "run", train_steps=300, print_fn=printed.append) as log:
+        log.log_config({"training": {"lr": 3e-4}})
+        line = log.log_step(5, **STEP, extra={"step_time_breakdown": {"fwd": 1.0}})
+        log.log_step(6, **{**STEP, "lm_loss": float("nan")})
+        log.log_validation(5, lm_loss=2.0)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]  # strict JSON, even with a NaN loss
+    assert [r["kind"] for r in records] == ["config", "train", "train", "val"]
+    assert records[1]["step"] == 5 and records[1]["lm_loss"] == 5.123 and records[1]["step_time_breakdown"] == {"fwd": 1.0}
+    assert records[2]["lm_loss"] == "nan" and records[3]["ppl"] == pytest.approx(math.exp(2.0))
+    assert printed[0] == line and "validation loss at iteration 5" in printed[-1]
+    restored = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert math.isnan(next(r for r in restored if r.get("step") == 6)["lm_loss"])
+
+
+def test_metrics_read_keeps_last_record_per_step(tmp_path):
+    for loss in (4.0, 3.0):  # a resumed run appends and re-logs step 2
+        with MetricsLogger(tmp_path, train_steps=3, print_fn=lambda _: None) as log:
+            log.log_step(2, **{**STEP, "lm_loss": loss})
+    train = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["step"], r["lm_loss"]) for r in train] == [(2, 3.0)]
+
+
+def test_metrics_logger_nonzero_rank_is_silent(tmp_path):
+    printed = []
+    with MetricsLogger(tmp_path / "run", train_steps=3, rank=1, print_fn=printed.append) as log:
+        assert log.log_step(1, **STEP) is None and log.log_validation(1, lm_loss=1.0) is None
+    assert not (tmp_path / "run").exists() and printed == []
+
+
+def test_metrics_tensorboard_missing_prints_note(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    printed = []
+    with MetricsLogger(tmp_path, train_steps=3, tensorboard=True, print_fn=printed.append) as log:
+        log.log_step(1, **STEP)
+    assert printed[0].startswith("note: TensorBoard logging requested but unavailable")
+
+
+def test_metrics_peak_memory_cpu():
+    assert peak_memory_mb("cpu") > 1.0
+    with pytest.raises(RuntimeError, match="max_memory_allocated"):
+        peak_memory_mb("meta")

@@ -1,0 +1,198 @@
+"""Config schema: every illegal row fails before any model is built, naming its key path."""
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from te_npu import ConfigError, HiF8CurrentScalingRecipe, MXFP8BlockRecipe
+from te_npu.training.config import HF_DEEPSEEK_V3_FIELDS, load_config, yaml_load
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPES = sorted((REPO / "recipes").glob("dsv3_*.yaml"))
+TINY = REPO / "recipes" / "dsv3_tiny_mxfp8.yaml"
+
+# (override, key path the error must name): spec section 15 rows and schema rules
+ILLEGAL = [
+    ("low_precision.format=fp16", "low_precision.format"),
+    ("low_precision={enabled: true, format: hif8, scaling: delayed}", "low_precision.scaling"),
+    ("low_precision={enabled: false, format: hif8, scaling: delayed}", "low_precision.scaling"),
+    ("low_precision={enabled: true, format: mxfp8_e4m3, scaling: current}", "low_precision.scaling"),
+    ("low_precision={enabled: true, format: hif8, scaling: mx_block}", "low_precision.scaling"),
+    ("low_precision.margin=0", "low_precision.margin"),
+    ("low_precision.enabled=yes", "low_precision.enabled"),
+    ("fsdp_config.comm_fusion=true", "fsdp_config.comm_fusion"),
+    ("parallel.tensor_parallel_size=2", "parallel.tensor_parallel_size"),
+    ("parallel.context_parallel_size=2", "parallel.context_parallel_size"),
+    ("parallel.expert_parallel_size=8", "parallel.expert_parallel_size"),
+    ("parallel.pipeline_parallel_size=2", "parallel.pipeline_parallel_size"),
+    ("checkpoint.format=torch_save", "checkpoint.format"),
+    ("activation_checkpoint.mode=selective", "activation_checkpoint.mode"),
+    ("training.gradient_accumulation_steps=0", "training.gradient_accumulation_steps"),
+    ("fsdp_config.dp_shard_size=0", "fsdp_config.dp_shard_size"),
+    ("training.micro_batch_size=0", "training.micro_batch_size"),
+    ("training.adam_beta2=1.0", "training.adam_beta2"),
+    ("training.lr=0", "training.lr"),
+    ("training.min_lr=1.0", "training.min_lr"),
+    ("training.lr_schedule=step", "training.lr_schedule"),
+    ("training.device=tpu", "training.device"),
+    ("training.backend=nccl", "training.backend"),
+    ("training.param_dtype=fp16", "training.param_dtype"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
+    ("data.kind=bin", "data.path"),
+    ("data.path=/tmp/x", "data.path"),
+    ("data.val_fraction=0.9", "data.val_fraction"),
+    ("logging.metrics_jsonl=sub/metrics.jsonl", "logging.metrics_jsonl"),
+    ("model.preset=dsv3_671b", "model.preset"),
+    ("model.validate_16b=true", "model.validate_16b"),
+    ("model.hf_config=/nonexistent/config.json", "model.preset / model.hf_config"),
+    ("model.overrides.hidden_sise=64", "model.overrides.hidden_sise"),
+]
+
+
+@pytest.mark.parametrize(("override", "path"), ILLEGAL, ids=[o for o, _ in ILLEGAL])
+def test_config_illegal_value_names_key_path(override, path):
+    with pytest.raises(ConfigError, match=path.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+TYPE_ERRORS = [
+    ("training.train_steps=true", "training.train_steps", "an integer"),
+    ("training.seed=1.5", "training.seed", "an integer"),
+    ("training.lr=fast", "training.lr", "a number"),
+    ("training.clip_grad=false", "training.clip_grad", "a number"),
+    ("fsdp_config.reshard_after_forward=1", "fsdp_config.reshard_after_forward", "true/false"),
+    ("checkpoint.resume=yes", "checkpoint.resume", "'auto'"),
+    ("checkpoint.dir=[a, b]", "checkpoint.dir", "a string"),
+    ("model.overrides=[1]", "model.overrides", "a mapping"),
+    ("training=5", "training", "a mapping"),
+]
+
+
+@pytest.mark.parametrize(("override", "path", "expected"), TYPE_ERRORS, ids=[o for o, *_ in TYPE_ERRORS])
+def test_config_wrong_type_names_key_path(override, path, expected):
+    with pytest.raises(ConfigError, match=rf"{path.replace('.', '[.]')}: expected .*{expected}"):
+        load_config(TINY, [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "path"),
+    [("trainer.steps=1", "trainer"), ("training.foo=1", "training.foo"), ("data.extra.deep=1", "data.extra")],
+)
+def test_config_unknown_key_fails_at_any_depth(override, path):
+    with pytest.raises(ConfigError, match=rf"{path.replace('.', '[.]')}: unknown key"):
+        load_config(TINY, [override])
+
+
+def test_config_unknown_nested_key_in_yaml_file(tmp_path):
+    text = TINY.read_text().replace("  comm_fusion: false\n", "  comm_fusion: false\n  bucket_mb: 25\n")
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=r"fsdp_config\.bucket_mb: unknown key"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_config_overrides_are_yaml_typed():
+    cfg = load_config(
+        TINY,
+        [
+            "training.train_steps=10",
+            "training.lr=1e-3",
+            "checkpoint.resume=false",
+            "data.shuffle=false",
+            "logging.dir=runs/x",
+            "model.overrides.hidden_size=64",
+            "model.overrides.q_lora_rank=null",
+            "low_precision={enabled: true, format: hif8, scaling: current}",
+        ],
+    )
+    assert cfg.training.train_steps == 10 and cfg.training.lr == 1e-3
+    assert cfg.checkpoint.resume is False and cfg.data.shuffle is False and cfg.logging.dir == "runs/x"
+    assert dict(cfg.model.overrides) == {"hidden_size": 64, "q_lora_rank": None}
+    assert cfg.low_precision.recipe == HiF8CurrentScalingRecipe()
+
+
+@pytest.mark.parametrize("bad", ["training.lr", "=3", "training..lr=3", "training.lr.x=3"])
+def test_config_malformed_override_fails(bad):
+    with pytest.raises(ConfigError):
+        load_config(TINY, [bad])
+
+
+def test_config_yaml_12_scalars():
+    assert yaml_load("a: off\nb: yes\nc: 3e-3\nd: true\ne: 7\nf: 1.0e-8") == {
+        "a": "off", "b": "yes", "c": 3e-3, "d": True, "e": 7, "f": 1e-8,
+    }
+
+
+def test_config_unquoted_off_is_recompute_off(tmp_path):
+    (tmp_path / "c.yaml").write_text(TINY.read_text().replace('mode: "off"', "mode: off"))
+    assert load_config(tmp_path / "c.yaml").activation_checkpoint.mode == "off"
+
+
+def test_config_input_dict_not_mutated():
+    raw = yaml_load(TINY.read_text())
+    snapshot = repr(raw)
+    load_config(raw, ["training.train_steps=3", "model.overrides.vocab_size=512"])
+    assert repr(raw) == snapshot
+
+
+def test_config_is_frozen():
+    cfg = load_config(TINY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training.lr = 1.0
+    with pytest.raises(TypeError):
+        cfg.model.overrides["hidden_size"] = 1
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_config_recipe_loads_and_round_trips(path):
+    cfg = load_config(path)
+    assert load_config(cfg.to_dict()) == cfg
+    expected = {"bf16": None, "mxfp8": MXFP8BlockRecipe(), "hif8": HiF8CurrentScalingRecipe()}[path.stem.split("_")[-1]]
+    assert cfg.low_precision.recipe == expected
+    assert cfg.checkpoint.format == "dcp" and not cfg.fsdp_config.comm_fusion
+
+
+def test_config_recipes_count_and_variants_differ_only_in_low_precision():
+    assert [p.stem for p in RECIPES] == [f"dsv3_{s}_{v}" for s in ("16b", "tiny") for v in ("bf16", "hif8", "mxfp8")]
+    for size in ("16b", "tiny"):
+        dicts = []
+        for variant in ("bf16", "mxfp8", "hif8"):
+            d = load_config(REPO / "recipes" / f"dsv3_{size}_{variant}.yaml").to_dict()
+            d.pop("low_precision")
+            for section in ("checkpoint", "logging"):  # run directories embed the run name
+                d[section]["dir"] = d[section]["dir"].replace(f"dsv3_{size}_{variant}", "<run>")
+            dicts.append(d)
+        assert dicts[0] == dicts[1] == dicts[2]
+
+
+def test_config_recipe_sizes():
+    big, tiny = load_config(REPO / "recipes/dsv3_16b_mxfp8.yaml"), load_config(TINY)
+    assert (big.model.preset, big.model.validate_16b, big.fsdp_config.dp_shard_size) == ("dsv3_16b", True, 8)
+    assert (big.training.device, big.training.resolved_backend, big.training.seq_len) == ("npu", "hccl", 4096)
+    assert big.data.kind == "bin" and big.training.lr == 4.2e-4 and big.training.warmup_steps == 2000
+    assert (tiny.model.preset, tiny.training.device, tiny.training.resolved_backend) == ("dsv3_tiny", "cpu", "gloo")
+    assert (tiny.fsdp_config.dp_shard_size, tiny.training.seq_len, tiny.training.micro_batch_size) == (2, 256, 4)
+    assert tiny.data.kind == "stdlib" and tiny.checkpoint.dir == "runs/dsv3_tiny_mxfp8/checkpoints"
+    assert tiny.global_batch_size == 8 and tiny.tokens_per_step == 2048
+
+
+def test_config_load_does_not_touch_npu_or_models():
+    load_config(REPO / "recipes/dsv3_16b_hif8.yaml")
+    assert "torch_npu" not in sys.modules
+    assert not any(m == "models" or m.startswith("models.") for m in sys.modules)
+
+
+def test_config_hf_config_file(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_config(TINY, ["model.preset=null", f"model.hf_config={tmp_path}"])
+    assert cfg.model.hf_config == str(tmp_path) and cfg.model.validate_16b is False
+
+
+def test_config_hf_override_fields_exist_in_transformers():
+    transformers = pytest.importorskip("transformers", reason="cross-check needs transformers")
+    import inspect
+
+    hf_cls = transformers.DeepseekV3Config
+    known = set(inspect.signature(hf_cls.__init__).parameters) | set(hf_cls().to_dict())
+    legacy = {"rope_theta", "rope_scaling", "num_nextn_predict_layers"}
+    assert HF_DEEPSEEK_V3_FIELDS - legacy <= known
