@@ -1,0 +1,45 @@
+"""FSDP2, FP32-master optimizer and DCP checkpoints for models with 8-bit TE weights.
+
+Importing this package installs the FSDP2 all-gather extension on ``MXFP8Tensor`` and
+``HiF8Tensor`` (the tensor layer imports nothing from here).
+"""
+from te_npu.distributed import checkpoint
+from te_npu.distributed.fsdp import (
+    FSDPGatherContext,
+    GatherRecord,
+    HiF8GatherSchema,
+    MXFP8GatherSchema,
+    install_fsdp_extension,
+    record_gathers,
+)
+from te_npu.distributed.optim import (
+    MasterWeightOptimizer,
+    StepResult,
+    finalize_low_precision_weights,
+    global_grad_norm,
+    refresh_low_precision_weights,
+)
+from te_npu.distributed.sharding import ShardPlan, plan_shards, shard_model, validate_parallel_config
+from te_npu.tensor import HiF8Tensor, MXFP8Tensor
+
+install_fsdp_extension(MXFP8Tensor, MXFP8GatherSchema())
+install_fsdp_extension(HiF8Tensor, HiF8GatherSchema())
+
+__all__ = [
+    "checkpoint",
+    "FSDPGatherContext",
+    "GatherRecord",
+    "MXFP8GatherSchema",
+    "HiF8GatherSchema",
+    "install_fsdp_extension",
+    "record_gathers",
+    "MasterWeightOptimizer",
+    "StepResult",
+    "finalize_low_precision_weights",
+    "global_grad_norm",
+    "refresh_low_precision_weights",
+    "ShardPlan",
+    "plan_shards",
+    "shard_model",
+    "validate_parallel_config",
+]

@@ -1,0 +1,340 @@
+"""FSDP2 all-gather extension for quantized weights (spec sections 9 and 13.5).
+
+FSDP2 calls two methods on the *local shard* of a parameter whose class defines them
+(torch ``_fully_shard/_fsdp_param.py``, checked against torch 2.13):
+
+- ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`` from
+  ``FSDPParam.all_gather_inputs`` -> ``(tensors, metadata)``. Each tensor is flattened and
+  all-gathered along dim 0; a mix of dtypes is gathered as uint8 bytes.
+- ``fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`` from
+  ``FSDPParam.init_unsharded_param``. ``outputs[i]`` is the world-size concatenation of
+  ``tensors[i]`` (rank-major, viewed as ``[-1, *shape[1:]]``). The first call (``out is
+  None``) returns ``(unsharded, tensors_to_free)``; later calls pass the same unsharded
+  parameter as ``out`` and it is refilled in place (the autograd graph of the forward holds
+  that object, so it must never be replaced).
+
+This module holds the format-free protocol -- ``FSDPGatherContext`` and ``GatherSchema`` --
+and the schema of each format. The tensor classes import nothing from here:
+``install_fsdp_extension(cls, schema)`` attaches the two methods (``te_npu.distributed``
+does it on import).
+
+Phase. FSDP2 does not pass the phase, so it is read where it is defined: an all-gather issued
+while the autograd engine runs a graph task (``torch._C._current_graph_task_id() != -1``:
+FSDP's pre-backward unshard, backward prefetch, and the recompute of full activation
+checkpointing, which replays forward inside backward) is ``"backward"``; anything else
+(forward, forward prefetch) is ``"forward"``. ``reshard_after_forward`` is read from the
+``FSDPParam`` (``post_forward_mesh_info is None`` means False) and ``param_fqn`` from
+``FSDPParam._param_fqn``; the ``FSDPParam`` is found through ``module`` (``shard_model``
+shards every TE module on its own, so ``module`` is the FSDP module holding the parameter).
+A parameter whose ``FSDPParam`` cannot be found gathers its full schema (backward phase).
+
+Schema changes between phases. FSDP2 allocates a parameter's all-gather output buffers once
+(``init_all_gather_outputs`` returns early afterwards), so a gather with different tensors
+(MXFP8 dense, ``reshard_after_forward=True``: row in forward, row + col in backward) first
+drops those buffers (``fsdp_param.all_gather_outputs = []``); the post then rebinds the
+unsharded tensor's inner fields to the new outputs and hands them to FSDP as the tensors to
+free at reshard. A field not gathered in this phase is a *storage-free placeholder* of the
+right shape, so ``select()`` on it raises instead of reading stale bytes.
+
+Shape legend: ``W`` = FSDP world size, ``N_local`` = local rows, ``E_local`` = local experts.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from te_npu.tensor import HiF8Tensor, MXFP8Tensor, QuantizedWeightTensor
+
+__all__ = [
+    "FSDPGatherContext",
+    "GatherSchema",
+    "GatherRecord",
+    "MXFP8GatherSchema",
+    "HiF8GatherSchema",
+    "install_fsdp_extension",
+    "record_gathers",
+    "gather_schema_of",
+    "is_materialized",
+]
+
+Phase = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class FSDPGatherContext:
+    """What a format needs to decide which physical tensors one all-gather carries."""
+
+    phase: Phase
+    reshard_after_forward: bool
+    param_fqn: str
+
+
+class GatherSchema(Protocol):
+    """Per-format choice and reassembly of the physical tensors of one all-gather."""
+
+    def fields(self, shard: QuantizedWeightTensor, context: FSDPGatherContext) -> tuple[str, ...]:
+        """Inner-field names to gather, in order (a subset of ``type(shard)._inner_fields``)."""
+        ...
+
+    def assemble(
+        self, field: str, gathered: torch.Tensor, world_size: int, logical_shape: torch.Size, context: FSDPGatherContext
+    ) -> torch.Tensor:
+        """The unsharded inner tensor of ``field`` from its gathered output (usually itself)."""
+        ...
+
+
+@dataclass(frozen=True)
+class GatherRecord:
+    """One pre-all-gather of one quantized weight, as seen by a ``record_gathers`` probe.
+
+    fields: gathered inner tensors in order; local_bytes: bytes this rank sends;
+    gathered_bytes: bytes of the unsharded result (local_bytes * world_size);
+    logical_numel: elements of the full logical weight.
+    """
+
+    context: FSDPGatherContext
+    format: str
+    fields: tuple[str, ...]
+    local_bytes: int
+    gathered_bytes: int
+    logical_numel: int
+
+    @property
+    def bytes_per_element(self) -> float:
+        """Gathered bytes per logical weight element (BF16 would be 2.0)."""
+        return self.gathered_bytes / max(self.logical_numel, 1)
+
+
+# ---- schemas of the two formats -----------------------------------------------------------------
+
+
+class MXFP8GatherSchema:
+    """MXFP8 (spec section 9.1, our orientation names).
+
+    =========  =======================  ===========  ===========
+    phase      reshard_after_forward    dense        grouped
+    =========  =======================  ===========  ===========
+    forward    True                     row          row
+    forward    False                    row + col    row + col
+    backward   any                      row + col    row + col
+    =========  =======================  ===========  ===========
+
+    Grouped forward reads the K-blocked copy, which this project calls ``row`` (weights are
+    ``[E, N, K]`` like dense ones); the spec's table calls that copy ``col`` because the NPU
+    kernel views the weight as ``[E, K, N]``. Same bytes, different name.
+    """
+
+    _ROW = ("row_data", "row_scale")
+    _BOTH = ("row_data", "row_scale", "col_data", "col_scale")
+
+    def fields(self, shard: QuantizedWeightTensor, context: FSDPGatherContext) -> tuple[str, ...]:
+        if context.phase == "forward" and context.reshard_after_forward:
+            return self._ROW
+        return self._BOTH
+
+    def assemble(self, field, gathered, world_size, logical_shape, context):
+        return gathered
+
+
+class HiF8GatherSchema:
+    """HiF8 (spec section 9.2): data + scale in every phase, one copy serves row and col.
+
+    Dense ``[N, K]``: every rank holds the same scalar scale (the optimizer MAX-reduces the
+    amax before refreshing), so the gather returns ``W`` copies; they must all be equal and
+    fold to one scalar. Grouped ``[E, N, K]``: ``scale[E_local]`` shards gather to ``scale[E]``
+    in expert order, next to whole experts of data.
+    """
+
+    def fields(self, shard: QuantizedWeightTensor, context: FSDPGatherContext) -> tuple[str, ...]:
+        return tuple(type(shard)._inner_fields)  # the codes and the scale
+
+    def assemble(self, field, gathered, world_size, logical_shape, context):
+        if field != "scale" or len(logical_shape) == 3:
+            return gathered
+        # gathered: [W] copies of the replicated scalar scale.
+        if not bool(torch.all(gathered == gathered[0])):
+            raise RuntimeError(
+                f"FSDP all-gather of HiF8 weight {context.param_fqn!r} {list(logical_shape)}: the "
+                f"{world_size} ranks hold different scalar scales {gathered.tolist()}; a dense HiF8 "
+                "weight must be refreshed with one FSDP-group scale (refresh_low_precision_weights)"
+            )
+        return gathered[0]  # a 0-d view: freed with the gather buffer
+
+
+_SCHEMAS: dict[type, GatherSchema] = {}
+
+
+def gather_schema_of(cls: type) -> GatherSchema:
+    """The schema installed for a quantized weight class."""
+    for klass in cls.__mro__:
+        if klass in _SCHEMAS:
+            return _SCHEMAS[klass]
+    raise TypeError(f"{cls.__name__} has no FSDP gather schema; call install_fsdp_extension({cls.__name__}, schema)")
+
+
+def install_fsdp_extension(cls: type, schema: GatherSchema) -> None:
+    """Give ``cls`` FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, gathering per ``schema``."""
+    if not issubclass(cls, QuantizedWeightTensor):
+        raise TypeError(f"install_fsdp_extension: {cls.__name__} is not a QuantizedWeightTensor")
+    _SCHEMAS[cls] = schema
+    cls.fsdp_pre_all_gather = _fsdp_pre_all_gather
+    cls.fsdp_post_all_gather = _fsdp_post_all_gather
+
+
+# ---- recording probe ----------------------------------------------------------------------------
+
+_RECORDERS: list[Callable[[GatherRecord], None]] = []
+
+
+@contextlib.contextmanager
+def record_gathers(callback: Callable[[GatherRecord], None] | None = None) -> Iterator[list[GatherRecord]]:
+    """Collect a ``GatherRecord`` for every quantized-weight all-gather inside the block.
+
+    Yields the list being filled; ``callback`` (optional) also receives each record.
+    """
+    records: list[GatherRecord] = []
+
+    def sink(record: GatherRecord) -> None:
+        records.append(record)
+        if callback is not None:
+            callback(record)
+
+    _RECORDERS.append(sink)
+    try:
+        yield records
+    finally:
+        _RECORDERS.remove(sink)
+
+
+# ---- the two FSDP2 hooks --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GatherMetadata:
+    context: FSDPGatherContext
+    fields: tuple[str, ...]
+    local_shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    world_size: int
+    logical_shape: torch.Size
+
+
+def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    """FSDP2 hook on the local shard: the physical tensors of this phase plus metadata."""
+    fsdp_param = _find_fsdp_param(self, module)
+    context = _context(fsdp_param)
+    fields = gather_schema_of(type(self)).fields(self, context)
+    tensors = tuple(getattr(self, name) for name in fields)
+    if fsdp_param is not None:
+        previous = getattr(fsdp_param, "_te_gathered_fields", None)
+        if previous is not None and previous != fields:
+            fsdp_param.all_gather_outputs = []  # FSDP reallocates buffers for the new schema
+        fsdp_param._te_gathered_fields = fields
+    world_size = mesh.size()
+    metadata = _GatherMetadata(
+        context, fields, tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors), world_size, torch.Size(outer_size)
+    )
+    if _RECORDERS:
+        local_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        record = GatherRecord(
+            context, self.format.value, fields, local_bytes, local_bytes * world_size, torch.Size(outer_size).numel()
+        )
+        for recorder in list(_RECORDERS):
+            recorder(record)
+    return tensors, metadata
+
+
+def _fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+    """FSDP2 hook: validate the gathered tensors and build (or refill ``out`` with) the full weight."""
+    _validate_outputs(type(self).__name__, outputs, metadata)
+    schema = gather_schema_of(type(self))
+    ctx = metadata.context
+    inner = {
+        name: schema.assemble(name, gathered, metadata.world_size, metadata.logical_shape, ctx)
+        for name, gathered in zip(metadata.fields, outputs)
+    }
+    if out is not None:
+        for name in type(self)._inner_fields:
+            value = inner.get(name)
+            setattr(out, name, value if value is not None else _placeholder_like(getattr(out, name)))
+        fsdp_param = getattr(self, "_te_fsdp_param", None)
+        if fsdp_param is not None:
+            fsdp_param._unsharded_inner_tensors = list(outputs)
+        return None
+    for name in type(self)._inner_fields:
+        if name not in inner:
+            inner[name] = _full_shape_of(self, name, metadata)
+    unsharded = type(self)._make(
+        inner, shape=metadata.logical_shape, logical_dtype=param_dtype or self.dtype, quantizer=self._quantizer
+    )
+    return unsharded, list(outputs)
+
+
+def is_materialized(t: torch.Tensor) -> bool:
+    """False for a storage-free placeholder (a field this gather did not bring)."""
+    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def _context(fsdp_param: Any) -> FSDPGatherContext:
+    in_backward = torch._C._current_graph_task_id() != -1
+    if fsdp_param is None:  # unknown FSDP layout: gather everything
+        return FSDPGatherContext("backward", False, "<unknown>")
+    return FSDPGatherContext(
+        phase="backward" if in_backward else "forward",
+        reshard_after_forward=fsdp_param.post_forward_mesh_info is not None,
+        param_fqn=fsdp_param._param_fqn or "<unknown>",
+    )
+
+
+def _find_fsdp_param(shard: QuantizedWeightTensor, module: Any) -> Any:
+    cached = getattr(shard, "_te_fsdp_param", None)
+    if cached is not None:
+        return cached
+    get_state = getattr(module, "_get_fsdp_state", None)
+    group = getattr(get_state(), "_fsdp_param_group", None) if get_state is not None else None
+    for fsdp_param in getattr(group, "fsdp_params", ()):
+        if fsdp_param._sharded_local_tensor is shard:
+            shard._te_fsdp_param = fsdp_param  # the FSDPParam owns the shard: no cycle beyond FSDP's own
+            return fsdp_param
+    return None
+
+
+def _validate_outputs(cls_name: str, outputs: tuple, metadata: _GatherMetadata) -> None:
+    where = f"{cls_name} {metadata.context.param_fqn!r}"
+    if len(outputs) != len(metadata.fields):
+        raise RuntimeError(f"FSDP all-gather of {where}: got {len(outputs)} tensors, expected {list(metadata.fields)}")
+    for i, (name, gathered, local_shape, dtype) in enumerate(
+        zip(metadata.fields, outputs, metadata.local_shapes, metadata.dtypes)
+    ):
+        rows = local_shape[0] if len(local_shape) else 1
+        want = [rows * metadata.world_size, *local_shape[1:]]
+        if gathered.dtype != dtype or list(gathered.shape) != want:
+            raise RuntimeError(
+                f"FSDP all-gather of {where}: tensor {i} ({name}) is {gathered.dtype}{list(gathered.shape)}, "
+                f"expected {dtype}{want} (order {list(metadata.fields)})"
+            )
+
+
+def _full_shape_of(shard: QuantizedWeightTensor, name: str, metadata: _GatherMetadata) -> torch.Tensor:
+    """A storage-free tensor with the unsharded shape of ``shard``'s field ``name``."""
+    local = getattr(shard, name)
+    shape = local.shape if local.dim() == 0 else (local.shape[0] * metadata.world_size, *local.shape[1:])
+    return _placeholder(shape, local.dtype, local.device)
+
+
+def _placeholder_like(t: torch.Tensor) -> torch.Tensor:
+    return _placeholder(t.shape, t.dtype, t.device)
+
+
+def _placeholder(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape``/``dtype`` with no storage: reading it raises, ``select`` refuses it."""
+    placeholder = torch.empty(shape, dtype=dtype, device=device)
+    placeholder.untyped_storage().resize_(0)
+    return placeholder

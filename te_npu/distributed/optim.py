@@ -1,0 +1,274 @@
+"""FP32 master weights, AdamW, and the refresh of 8-bit weight shards (spec sections 10, 12, 13.6).
+
+Training state per parameter:
+
+    FP32 master shard          the authoritative weight; AdamW updates it
+    FP32 exp_avg / exp_avg_sq  torch.optim.AdamW state over the masters
+    param (shard)              8-bit MXFP8Tensor / HiF8Tensor for TE weights, else BF16/FP32;
+                               derived from the master after every successful step
+
+Hand-over of the high-precision initial values (a master is never built from 8-bit data):
+
+    model = build()                                        # BF16, initialised
+    init = finalize_low_precision_weights(model, recipe)   # fqn -> BF16 [N, K] / [E, N, K]
+    shard_model(model, mesh, ...)                          # FSDP2 (params become DTensors)
+    opt = MasterWeightOptimizer(model, init, lr=...)       # shards ``init`` like each param
+    del init                                               # the only full copies are dropped
+
+The optimizer shards each initial value with the parameter's own mesh and placements
+(``distribute_tensor(..., src_data_rank=None)``: every rank slices its own identical copy, no
+communication) and keeps only the local FP32 shard.
+
+Step: FSDP reduce-scatter -> ``param.grad`` (BF16 shard) -> cast to FP32 ``master.grad`` ->
+global grad norm (one all-reduce) -> non-finite anywhere: skip (nothing updated, nothing
+refreshed) -> optional clipping -> AdamW on the masters -> refresh every 8-bit shard once
+(``refresh_low_precision_weights``) and copy high-precision params from their masters.
+``zero_grad``, micro-batches and activation recompute never refresh.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from te_npu.formats import Format
+from te_npu.modules.base import TEModule
+from te_npu.numerics import hif8
+from te_npu.quantizers.hif8 import hif8_amax
+from te_npu.quantize_weights import quantize_weights_
+from te_npu.tensor import QuantizedWeightTensor
+
+__all__ = [
+    "StepResult",
+    "MasterWeightOptimizer",
+    "finalize_low_precision_weights",
+    "refresh_low_precision_weights",
+    "global_grad_norm",
+]
+
+@dataclass(frozen=True)
+class StepResult:
+    """Outcome of ``MasterWeightOptimizer.step``: ``updated`` is False for a skipped step."""
+
+    updated: bool
+    grad_norm: float
+
+    @property
+    def skipped(self) -> bool:
+        return not self.updated
+
+    def __bool__(self) -> bool:
+        return self.updated
+
+
+def finalize_low_precision_weights(model: nn.Module, recipe) -> dict[str, torch.Tensor]:
+    """Quantize every TE weight (``te_npu.quantize_weights_``); return ``{fqn: w}``, the BF16 values.
+
+    Call after initialisation and before ``shard_model``; keep the returned dict only until
+    ``MasterWeightOptimizer`` is built from it (it is the masters' only legitimate source).
+    """
+    initial: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, TEModule):
+            for name in module._weight_names:
+                weight = getattr(module, name)
+                if isinstance(weight, QuantizedWeightTensor):
+                    raise ValueError(f"finalize_low_precision_weights: {prefix}.{name} is already quantized")
+                initial[f"{prefix}.{name}" if prefix else name] = weight.detach()
+    quantize_weights_(model, recipe)
+    return initial
+
+
+def refresh_low_precision_weights(
+    params: Iterable[torch.Tensor],
+    master_params: Iterable[torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    on_refresh: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """Re-quantize each 8-bit weight shard in place from its FP32 master shard (spec 13.6).
+
+    params: ``QuantizedWeightTensor`` parameters (or DTensors over them); master_params: the
+    matching FP32 shards, same shapes. MXFP8: dual-axis from the local master shard. HiF8
+    grouped: per-expert amax of the local shard (experts are never split). HiF8 dense: the
+    local amax is MAX-all-reduced over ``group`` (default: the parameter's FSDP mesh group)
+    so every rank quantizes its rows with one scale -- identical to quantizing the full weight.
+    Collectives are issued in ``params`` order, which must be the same on every rank.
+    """
+    for param, master in zip(params, master_params, strict=True):
+        shard, master_shard = _local(param), _local(master)
+        if not isinstance(shard, QuantizedWeightTensor):
+            raise TypeError(f"refresh_low_precision_weights: expected a quantized weight, got {type(shard).__name__}")
+        scale = None
+        if shard.format == Format.HIF8 and shard.dim() == 2:
+            amax = hif8_amax(master_shard)
+            reduce_group = group if group is not None else _mesh_group(param)
+            if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=reduce_group)
+            scale = hif8.current_scale(amax, shard._quantizer.format_max)
+        shard.refresh_from_master(master_shard, scale=scale)
+        if on_refresh is not None:
+            on_refresh(param)
+
+
+def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """FP32 L2 norm over all gradients and all ranks (DTensor-aware; NaN/Inf propagate).
+
+    Sharded DTensor gradients contribute their local squares, summed over their mesh with
+    one all-reduce; replicated and plain tensors (already equal on every rank) count once.
+    """
+    sharded, replicated, group = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32), None
+    for grad in grads:
+        local = _local(grad).float()
+        squares = local.pow(2).sum().cpu()
+        if isinstance(grad, DTensor) and any(isinstance(p, Shard) for p in grad.placements):
+            sharded += squares
+            group = grad.device_mesh.get_group()
+        else:
+            replicated += squares
+    if group is not None and dist.get_world_size(group) > 1:
+        device = _collective_device(group)
+        sharded = sharded.to(device)
+        dist.all_reduce(sharded, group=group)
+        sharded = sharded.cpu()
+    return (sharded + replicated).sqrt()
+
+
+class MasterWeightOptimizer:
+    """AdamW over FP32 master shards of a model's parameters, refreshing 8-bit weights after each step.
+
+    model: the (optionally FSDP2-sharded) model; initial_weights: ``{fqn: high-precision
+    full weight}`` for every quantized parameter (from ``finalize_low_precision_weights``);
+    max_grad_norm: clip by global norm when given. ``refresh_counts[fqn]`` counts refreshes;
+    ``add_refresh_hook(fn)`` calls ``fn(fqn)`` on each one.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        initial_weights: Mapping[str, torch.Tensor] | None = None,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        initial_weights = initial_weights or {}
+        self.max_grad_norm = max_grad_norm
+        self.params: dict[str, torch.Tensor] = {
+            fqn: p for fqn, p in model.named_parameters() if p.requires_grad
+        }
+        self.masters: dict[str, torch.Tensor] = {
+            fqn: _make_master(fqn, p, initial_weights.get(fqn)) for fqn, p in self.params.items()
+        }
+        self.optimizer = torch.optim.AdamW(
+            list(self.masters.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+        for master in self.masters.values():  # eager state: DCP loads into existing tensors
+            self.optimizer.state[master].update(
+                step=torch.zeros((), dtype=torch.float32),
+                exp_avg=torch.zeros_like(master),
+                exp_avg_sq=torch.zeros_like(master),
+            )
+        self.refresh_counts: Counter[str] = Counter()
+        self._refresh_hooks: list[Callable[[str], None]] = []
+        self._fqn_of = {id(p): fqn for fqn, p in self.params.items()}
+
+    # ---- public ---------------------------------------------------------------------------------
+
+    def add_refresh_hook(self, hook: Callable[[str], None]) -> None:
+        """Call ``hook(fqn)`` after each low-precision weight refresh."""
+        self._refresh_hooks.append(hook)
+
+    def zero_grad(self) -> None:
+        """Drop the parameters' gradients (never touches weights)."""
+        for param in self.params.values():
+            param.grad = None
+
+    def step(self) -> StepResult:
+        """One update from the accumulated gradients; skipped (nothing changes) if any is non-finite."""
+        for fqn, master in self.masters.items():
+            grad = self.params[fqn].grad
+            master.grad = None if grad is None else grad.detach().to(torch.float32)
+        grads = [m.grad for m in self.masters.values() if m.grad is not None]
+        norm = global_grad_norm(grads)
+        if not bool(torch.isfinite(norm)):
+            self._drop_master_grads()
+            return StepResult(updated=False, grad_norm=float(norm))
+        if self.max_grad_norm is not None:
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            for grad in grads:
+                grad.mul_(coef.to(_local(grad).device))
+        self.optimizer.step()
+        self._drop_master_grads()
+        self.rebuild_weights_from_masters()
+        return StepResult(updated=True, grad_norm=float(norm))
+
+    @torch.no_grad()
+    def rebuild_weights_from_masters(self) -> None:
+        """Refresh every 8-bit shard once and copy high-precision params from their masters."""
+        quantized = [fqn for fqn, p in self.params.items() if isinstance(_local(p), QuantizedWeightTensor)]
+        refresh_low_precision_weights(
+            [self.params[f] for f in quantized], [self.masters[f] for f in quantized], on_refresh=self._count
+        )
+        for fqn, param in self.params.items():
+            if fqn not in quantized:
+                _local(param).copy_(_local(self.masters[fqn]).to(param.dtype))
+
+    def state_for(self, fqn: str) -> dict[str, torch.Tensor]:
+        """``{master, exp_avg, exp_avg_sq, step}`` of one parameter (live tensors)."""
+        master = self.masters[fqn]
+        state = self.optimizer.state[master]
+        return {"master": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "step": state["step"]}
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _count(self, param: torch.Tensor) -> None:
+        fqn = self._fqn_of[id(param)]
+        self.refresh_counts[fqn] += 1
+        for hook in self._refresh_hooks:
+            hook(fqn)
+
+    def _drop_master_grads(self) -> None:
+        for master in self.masters.values():
+            master.grad = None
+
+
+def _make_master(fqn: str, param: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
+    """FP32 master shard laid out like ``param`` (DTensor with its placements, or plain)."""
+    if not isinstance(_local(param), QuantizedWeightTensor):
+        return param.detach().to(torch.float32, copy=True)
+    if initial is None:
+        raise ValueError(
+            f"MasterWeightOptimizer: no high-precision initial value for quantized parameter {fqn!r}; pass the "
+            "dict returned by finalize_low_precision_weights (a master is never built from 8-bit data)"
+        )
+    if list(initial.shape) != list(param.shape):
+        raise ValueError(f"MasterWeightOptimizer: initial value of {fqn!r} has shape {list(initial.shape)}, param {list(param.shape)}")
+    full = initial.detach().to(device=_local(param).device, dtype=torch.float32)
+    if not isinstance(param, DTensor):
+        return full.clone()
+    sharded = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return DTensor.from_local(
+        sharded.to_local().clone(), param.device_mesh, param.placements, run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _mesh_group(param: torch.Tensor):
+    return param.device_mesh.get_group() if isinstance(param, DTensor) else None
+
+
+def _collective_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cpu") if backend == "gloo" else torch.device(torch.accelerator.current_accelerator() or "cpu")
