@@ -1,0 +1,1 @@
+"""Models built from te_npu's public API."""

@@ -1,0 +1,268 @@
+"""DeepSeek-V3 configuration: HF field names, the frozen 16B spec and small test flavors.
+
+``DeepseekV3Config`` carries only what the model implements. Fields that exist in HF
+configs but are not implemented here fail with a ``te_npu.ConfigError`` naming the field
+(tensor / expert parallel sizes > 1, MTP layers, rope scaling, tied embeddings, ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import te_npu
+
+__all__ = [
+    "DeepseekV3Config", "from_hf_config", "to_hf_config_dict", "DSV3_16B", "DSV3_TINY", "DSV3_16B_NUM_PARAMS",
+    "expected_low_precision_scope", "expected_parameter_shapes", "validate_16b",
+]
+
+DSV3_16B_NUM_PARAMS = 16_585_005_056  # seed spec section 4.1; router bias buffers are not parameters
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    """Model hyper-parameters under their Hugging Face ``DeepseekV3Config`` names."""
+
+    vocab_size: int = 102400
+    hidden_size: int = 2048
+    intermediate_size: int = 10944          # dense MLP (layers < first_k_dense_replace)
+    moe_intermediate_size: int = 1408       # per routed expert; shared experts use n_shared_experts x this
+    num_hidden_layers: int = 28
+    first_k_dense_replace: int = 1
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    num_experts_per_tok: int = 6
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 3072
+    qk_nope_head_dim: int = 64
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    rope_scaling: Mapping[str, Any] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+
+    def __post_init__(self) -> None:
+        _check_supported(self)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace
+
+    def replace(self, **changes: Any) -> "DeepseekV3Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _fail(field: str, value: Any, why: str) -> None:
+    raise te_npu.ConfigError(f"DeepseekV3Config.{field}={value!r}: {why}")
+
+
+def _check_supported(c: DeepseekV3Config) -> None:
+    """Reject configurations the model does not implement, naming the field."""
+    if c.num_nextn_predict_layers:
+        _fail("num_nextn_predict_layers", c.num_nextn_predict_layers, "MTP layers are not implemented (use 0)")
+    scaling = dict(c.rope_scaling or {})
+    if c.rope_scaling is not None and scaling.get("rope_type", scaling.get("type")) != "default":
+        _fail("rope_scaling", c.rope_scaling, "only default RoPE is implemented (no yarn / mscale)")
+    if c.tie_word_embeddings:
+        _fail("tie_word_embeddings", True, "tied embeddings are not supported (lm_head is separate)")
+    if c.hidden_act != "silu":
+        _fail("hidden_act", c.hidden_act, "only 'silu' (SwiGLU) is implemented")
+    if c.attention_bias:
+        _fail("attention_bias", True, "MLA projections carry no bias")
+    if c.attention_dropout:
+        _fail("attention_dropout", c.attention_dropout, "attention dropout is not implemented")
+    if c.num_key_value_heads != c.num_attention_heads:
+        _fail("num_key_value_heads", c.num_key_value_heads, "MLA needs num_key_value_heads == num_attention_heads")
+    if c.n_routed_experts % c.n_group:
+        _fail("n_group", c.n_group, f"must divide n_routed_experts={c.n_routed_experts}")
+    if c.n_group > 1 and c.n_routed_experts // c.n_group < 2:
+        _fail("n_group", c.n_group, "group scores sum the top-2 experts of a group: need >= 2 experts per group")
+    if not 1 <= c.topk_group <= c.n_group:
+        _fail("topk_group", c.topk_group, f"must be in [1, n_group={c.n_group}]")
+    if not 1 <= c.num_experts_per_tok <= c.n_routed_experts * c.topk_group // c.n_group:
+        _fail("num_experts_per_tok", c.num_experts_per_tok, "more than the experts of the selected groups")
+    if not 0 <= c.first_k_dense_replace <= c.num_hidden_layers:
+        _fail("first_k_dense_replace", c.first_k_dense_replace, f"must be in [0, {c.num_hidden_layers}]")
+    if not c.rope_interleave:
+        _fail("rope_interleave", False, "only interleaved RoPE (DeepSeek's layout) is implemented")
+    if c.qk_rope_head_dim % 2:
+        _fail("qk_rope_head_dim", c.qk_rope_head_dim, "RoPE needs an even dimension")
+
+
+# Keys of an HF config.json that carry no model semantics here.
+_HF_METADATA_KEYS = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache", "auto_map",
+    "output_router_logits", "router_aux_loss_coef", "aux_loss_alpha", "seq_aux", "qk_head_dim", "head_dim",
+    "_name_or_path", "output_hidden_states", "output_attentions", "return_dict", "id2label", "label2id",
+    "tokenizer_class", "chunk_size_feed_forward", "is_encoder_decoder", "problem_type",
+})
+# Keys whose only supported value is fixed: field -> supported value.
+_HF_FIXED_KEYS = {"pretraining_tp": 1, "ep_size": 1, "tp_size": 1, "moe_layer_freq": 1,
+                  "scoring_func": "sigmoid", "topk_method": "noaux_tc", "quantization_config": None}
+_HF_ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
+
+
+def from_hf_config(
+    path_or_dict: str | os.PathLike | Mapping[str, Any], overrides: Mapping[str, Any] | None = None
+) -> DeepseekV3Config:
+    """Read an HF ``config.json`` (file, directory holding one, or dict) and apply ``overrides``.
+
+    Understands both ``rope_parameters`` (transformers 5.x) and the legacy top-level
+    ``rope_theta`` / ``rope_scaling``. Unknown keys and unsupported values raise ``ConfigError``.
+    """
+    if isinstance(path_or_dict, Mapping):
+        raw = dict(path_or_dict)
+    else:
+        path = os.fspath(path_or_dict)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    if raw.get("model_type", "deepseek_v3") != "deepseek_v3":
+        _fail("model_type", raw["model_type"], "expected 'deepseek_v3'")
+    known = {f.name for f in fields(DeepseekV3Config)}
+    kwargs: dict[str, Any] = {}
+    for key, value in {**raw, **dict(overrides or {})}.items():
+        key = _HF_ALIASES.get(key, key)
+        if key == "rope_parameters" and value is not None:
+            value = dict(value)
+            kwargs["rope_theta"] = value.pop("rope_theta", kwargs.get("rope_theta", 10000.0))
+            if value.get("rope_type", "default") != "default":
+                kwargs["rope_scaling"] = value
+        elif key in _HF_FIXED_KEYS:
+            if value != _HF_FIXED_KEYS[key]:
+                _fail(key, value, f"only {_HF_FIXED_KEYS[key]!r} is supported")
+        elif key in known:
+            kwargs[key] = value
+        elif key not in _HF_METADATA_KEYS:
+            raise te_npu.ConfigError(f"DeepseekV3 config: unknown field {key!r}")
+    return DeepseekV3Config(**kwargs)
+
+
+def to_hf_config_dict(config: DeepseekV3Config, dtype: str = "float32") -> dict[str, Any]:
+    """The ``config.json`` that HF ``DeepseekV3ForCausalLM.from_pretrained`` reads."""
+    out = {f.name: getattr(config, f.name) for f in fields(config)}
+    out.pop("rope_theta"), out.pop("rope_scaling")
+    out.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", dtype=dtype, use_cache=False,
+               rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+    return out
+
+
+# The frozen DeepSeek-V3 16B spec (seed spec section 4.1): the dataclass defaults.
+DSV3_16B = DeepseekV3Config()
+
+# CPU flavor: every TE weight dim (and kv_lora_rank + qk_rope_head_dim) is a multiple of 64,
+# so MXFP8 blocks of 32 and FSDP shards over 2 ranks stay whole.
+DSV3_TINY = DeepseekV3Config(
+    vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+    first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=64,
+    qk_rope_head_dim=64, v_head_dim=64, max_position_embeddings=512,
+)
+
+
+def expected_low_precision_scope(config: DeepseekV3Config) -> list[str]:
+    """Explicit FQNs of the 8-bit GEMM modules (spec 1.1 / Q3-04), in module order: every MLA
+    q/kv/o projection, every dense and shared-expert projection, every routed-experts module.
+    Nothing else (embedding, lm_head, router, norms, core attention) is listed."""
+    names = []
+    for i in range(config.num_hidden_layers):
+        attn = f"model.layers.{i}.self_attn"
+        q = [f"{attn}.q_proj"] if config.q_lora_rank is None else [f"{attn}.q_a_proj", f"{attn}.q_b_proj"]
+        names += [*q, f"{attn}.kv_a_proj_with_mqa", f"{attn}.kv_b_proj", f"{attn}.o_proj"]
+        mlp = f"model.layers.{i}.mlp"
+        if config.is_moe_layer(i):
+            names += [f"{mlp}.experts", *(f"{mlp}.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj"))]
+        else:
+            names += [f"{mlp}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def expected_parameter_shapes(config: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
+    """Every parameter FQN -> shape (HF names; router bias buffers excluded)."""
+    c, D = config, config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, D)}
+    for i in range(c.num_hidden_layers):
+        a = f"model.layers.{i}.self_attn"
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            shapes[f"{a}.q_proj.weight"] = (q_out, D)
+        else:
+            shapes.update({f"{a}.q_a_proj.weight": (c.q_lora_rank, D), f"{a}.q_a_layernorm.weight": (c.q_lora_rank,),
+                           f"{a}.q_b_proj.weight": (q_out, c.q_lora_rank)})
+        shapes.update({
+            f"{a}.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, D),
+            f"{a}.kv_a_layernorm.weight": (c.kv_lora_rank,),
+            f"{a}.kv_b_proj.weight": (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+            f"{a}.o_proj.weight": (D, c.num_attention_heads * c.v_head_dim),
+        })
+        m = f"model.layers.{i}.mlp"
+        if c.is_moe_layer(i):
+            E, F, Fs = c.n_routed_experts, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
+            shapes.update({f"{m}.gate.weight": (E, D), f"{m}.experts.gate_up_proj": (E, 2 * F, D),
+                           f"{m}.experts.down_proj": (E, D, F)})
+            prefix, F_mlp = f"{m}.shared_experts", Fs
+        else:
+            prefix, F_mlp = m, c.intermediate_size
+        shapes.update({f"{prefix}.gate_proj.weight": (F_mlp, D), f"{prefix}.up_proj.weight": (F_mlp, D),
+                       f"{prefix}.down_proj.weight": (D, F_mlp)})
+        shapes.update({f"model.layers.{i}.input_layernorm.weight": (D,),
+                       f"model.layers.{i}.post_attention_layernorm.weight": (D,)})
+    shapes.update({"model.norm.weight": (D,), "lm_head.weight": (c.vocab_size, D)})
+    return shapes
+
+
+def validate_16b(model: Any) -> None:
+    """Check a built model against the frozen 16B spec; raise ``ConfigError`` at the first mismatch.
+
+    Order: config fields, layer count, dense/MoE layout and expert count per layer, every
+    parameter name and shape, then the total parameter count (16,585,005,056).
+    """
+    for f in fields(DSV3_16B):
+        got, want = getattr(model.config, f.name), getattr(DSV3_16B, f.name)
+        if got != want:
+            raise te_npu.ConfigError(f"validate_16b: config field {f.name} = {got!r}, the 16B spec has {want!r}")
+    layers = model.model.layers
+    if len(layers) != DSV3_16B.num_hidden_layers:
+        raise te_npu.ConfigError(f"validate_16b: {len(layers)} decoder layers, expected {DSV3_16B.num_hidden_layers}")
+    for i, layer in enumerate(layers):
+        is_moe = hasattr(layer.mlp, "experts")
+        if is_moe != DSV3_16B.is_moe_layer(i):
+            raise te_npu.ConfigError(f"validate_16b: model.layers.{i}.mlp is {'MoE' if is_moe else 'dense'}, "
+                                     f"expected {'MoE' if DSV3_16B.is_moe_layer(i) else 'dense'}")
+        if is_moe and layer.mlp.experts.num_experts != DSV3_16B.n_routed_experts:
+            raise te_npu.ConfigError(f"validate_16b: model.layers.{i}.mlp.experts has "
+                                     f"{layer.mlp.experts.num_experts} experts, expected {DSV3_16B.n_routed_experts}")
+    expected = expected_parameter_shapes(DSV3_16B)
+    actual = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for name, shape in expected.items():
+        if actual.get(name) != shape:
+            raise te_npu.ConfigError(f"validate_16b: parameter {name} has shape {actual.get(name)}, expected {shape}")
+    for name in actual.keys() - expected.keys():
+        raise te_npu.ConfigError(f"validate_16b: unexpected parameter {name}")
+    total = sum(p.numel() for p in model.parameters())
+    if total != DSV3_16B_NUM_PARAMS:
+        raise te_npu.ConfigError(f"validate_16b: {total:,} parameters, expected {DSV3_16B_NUM_PARAMS:,}")
