@@ -8,7 +8,10 @@ from te_npu.autocast import (
 )
 from te_npu.errors import ConfigError, LowPrecisionUnavailableError
 from te_npu.formats import Format, QuantizationRole
-from te_npu.modules import TEGroupedLinear, TEGroupedSwiGLUExperts, TELinear
+from te_npu.modules import TEGroupedLinear, TEGroupedSwiGLUExperts, TELinear, assign_fqns
+from te_npu import functional, moe
+from te_npu.ops import is_hif8_available, is_mxfp8_available
+from te_npu.quantize_weights import quantize_weights_
 from te_npu.recipe import HiF8CurrentScalingRecipe, MXFP8BlockRecipe, recipe_from_config
 
 __all__ = [
@@ -27,4 +30,10 @@ __all__ = [
     "TELinear",
     "TEGroupedLinear",
     "TEGroupedSwiGLUExperts",
+    "assign_fqns",
+    "functional",
+    "moe",
+    "quantize_weights_",
+    "is_mxfp8_available",
+    "is_hif8_available",
 ]

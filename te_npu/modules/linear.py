@@ -8,13 +8,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from te_npu import functional as te_functional
+from te_npu.modules.base import TEModule
+
 __all__ = ["TELinear"]
 
 
-class TELinear(nn.Module):
+class TELinear(TEModule):
     """Dense linear layer. weight: ``[out_features, in_features]``; bias: ``[out_features]``.
 
-    Outside autocast it is ``F.linear`` in ``params_dtype`` (the BF16 baseline).
+    Inside ``te_npu.autocast(recipe=...)`` fprop, dgrad and wgrad run in the recipe's format
+    (``te_npu.functional.linear``); the bias stays high precision. Outside autocast it is
+    ``F.linear`` in ``params_dtype`` (the BF16 baseline); a quantized weight
+    (``quantized_model_init`` / ``quantize_weights_``) then enters as ``weight.dequantize()``.
+    ``state_dict`` keys: exactly ``weight`` (and ``bias``).
     """
 
     def __init__(
@@ -34,6 +41,7 @@ class TELinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype, device=device)) if bias else None
         self.reset_parameters()
+        self._finish_init()
 
     def reset_parameters(self) -> None:
         """Initialise with ``init_method`` (default: ``nn.Linear``'s Kaiming-uniform); bias to zero."""
@@ -48,7 +56,10 @@ class TELinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., in_features]`` -> ``[..., out_features]``."""
-        return F.linear(x, self.weight, self.bias)
+        recipe = self.forward_recipe()
+        if recipe is None:
+            return F.linear(x, te_functional.high_precision_weight(self.weight), self.bias)
+        return te_functional.linear(x, self.weight, self.bias, **self._gemm_kwargs(recipe))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

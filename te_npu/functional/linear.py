@@ -1,0 +1,158 @@
+"""Dense low-precision linear: ``y = x @ weight.T + bias`` with all three GEMMs in 8 bits.
+
+Spec sections 8 and 13.4. Legend: ``M`` tokens (all leading dims of ``x`` flattened),
+``K`` in_features, ``N`` out_features.
+
+=======  ========================  ===========================  ======  ==================
+GEMM     left                      right                        layout  output
+=======  ========================  ===========================  ======  ==================
+fprop    X [M, K] row (input_fwd)  W [N, K] row (weight_fwd)    NT      Y [M, N], x dtype
+dgrad    dY [M, N] row (grad_out)  W [N, K] col (weight_bwd)    NN      dX [M, K], x dtype
+wgrad    dY [M, N] col (grad_out)  X [M, K] col (input_bwd)     TN      dW [N, K], w dtype
+=======  ========================  ===========================  ======  ==================
+
+Forward quantizes X once per orientation (MXFP8: row for fprop and a separate col copy for
+wgrad, both from the high-precision X; HiF8: one copy serves both) and saves only the col
+operand: never the BF16 input. The weight's col operand is saved by reference (the cached
+or stored payload, not a copy). Backward quantizes dY for its row use (dgrad) and col use
+(wgrad) (HiF8: once, gradient max 224). The bias stays high precision: it is added to the
+FP32 GEMM result and its gradient is ``dY.sum(0)``.
+
+MXFP8 shape rule: K and N must be multiples of 32 (blocks along the reduction dims), and so
+must M when the weight needs a gradient, since the dense TN wgrad blocks dY and X along M.
+A shape that breaks it raises ``LowPrecisionUnavailableError`` naming the module, the shape
+and the reason, in forward, before anything runs: never a silent high-precision fallback.
+(Grouped GEMMs have no M rule: their col blocks are ragged per group.) HiF8 has no shape rule.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from te_npu.formats import QuantizationRole as Role
+from te_npu.functional.operands import (
+    GemmContext,
+    GemmNumerics,
+    load_operands,
+    quantize_pair,
+    save_operands,
+    unavailable,
+)
+from te_npu.functional.weight_cache import WeightCache, WeightOperands, col_operand, weight_operands
+from te_npu.ops import low_precision_matmul
+from te_npu.quantizers import Quantizer
+from te_npu.recipe import Recipe
+from te_npu.tensor.operand import QuantizedOperand
+
+__all__ = ["linear"]
+
+
+def _fprop(x_row: QuantizedOperand, w_row: QuantizedOperand, bias: torch.Tensor | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """Y[M, N] = X[M, K] . W[N, K]^T (+ bias, added to the FP32 result)."""
+    if bias is None:
+        return low_precision_matmul(x_row, w_row, layout="NT", output_dtype=out_dtype)
+    y_MN = low_precision_matmul(x_row, w_row, layout="NT", output_dtype=torch.float32)
+    return y_MN.add_(bias.float()).to(out_dtype)
+
+
+def _dgrad(dy_row: QuantizedOperand, w_col: QuantizedOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    """dX[M, K] = dY[M, N] . W[N, K]."""
+    return low_precision_matmul(dy_row, w_col, layout="NN", output_dtype=out_dtype)
+
+
+def _wgrad(dy_col: QuantizedOperand, x_col: QuantizedOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW[N, K] = dY[M, N]^T . X[M, K]."""
+    return low_precision_matmul(dy_col, x_col, layout="TN", output_dtype=out_dtype)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """Autograd shell: forward = quantize X + ``_fprop``; backward = quantize dY + ``_dgrad`` / ``_wgrad``."""
+
+    @staticmethod
+    def forward(ctx, x_MK: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                w_ops: WeightOperands, numerics: GemmNumerics, context: GemmContext,
+                grad_enabled: bool) -> torch.Tensor:
+        # needs_input_grad ignores no_grad mode; nothing is saved when no backward can run
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
+        x_row, x_col = quantize_pair(numerics, context, x_MK, Role.INPUT_FWD, Role.INPUT_BWD, need_col=need_dw)
+        y_MN = _fprop(x_row, w_ops.row, bias, x_MK.dtype)
+        save_operands(ctx, [x_col, w_ops.col if need_dx else None])
+        ctx.col_weight = weight if need_dx and w_ops.col is None else None  # quantized: col read in backward
+        ctx.numerics, ctx.context = numerics, context
+        ctx.x_dtype, ctx.weight_dtype = x_MK.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y_MN
+
+    @staticmethod
+    def backward(ctx, dy_MN: torch.Tensor):
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        x_col, w_col = load_operands(ctx)
+        w_col = col_operand(w_col, ctx.col_weight)
+        dy_MN = dy_MN.contiguous()
+        dy_row, dy_col = quantize_pair(ctx.numerics, ctx.context, dy_MN, Role.GRAD_OUTPUT, Role.GRAD_OUTPUT,
+                                       need_row=need_dx, need_col=need_dw)
+        dx_MK = _dgrad(dy_row, w_col, ctx.x_dtype) if need_dx else None
+        dw_NK = _wgrad(dy_col, x_col, ctx.weight_dtype) if need_dw else None
+        db_N = dy_MN.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_db else None
+        return dx_MK, dw_NK, db_N, None, None, None, None
+
+
+def _check_shapes(numerics: GemmNumerics, context: GemmContext, x_shape, weight_shape, need_wgrad: bool) -> None:
+    n, k = weight_shape
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    if x_shape[-1] != k:
+        raise ValueError(f"{context.name}: input {list(x_shape)} does not match weight [out={n}, in={k}]")
+    block = numerics.block_size
+    where = f"input {list(x_shape)} (M={m} tokens), weight [N={n}, K={k}]"
+    if k % block or n % block:
+        raise unavailable(context, numerics, f"{where}: in_features K and out_features N must be multiples of "
+                                             f"{block} (blocks run along the fprop and dgrad reduction dims)")
+    if need_wgrad and m % block:
+        raise unavailable(context, numerics, f"{where}: the dense wgrad dW = dY^T X blocks dY and X along the "
+                                             f"token dim, so M must be a multiple of {block} when the weight "
+                                             "needs a gradient (pad the batch, or run under no_grad)")
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    recipe: Recipe,
+    quantizers: Mapping[Role, Quantizer] | None = None,
+    weight_cache: WeightCache | None = None,
+    name: str | None = None,
+    stats: dict | None = None,
+) -> torch.Tensor:
+    """``y = x @ weight.T + bias`` with fprop, dgrad and wgrad in ``recipe``'s format.
+
+    Args:
+        x: ``[..., K]`` activation ([T, K] or [B, S, K]); y has x's dtype.
+        weight: ``[N, K]`` high-precision tensor or ``QuantizedWeightTensor``; dW has its
+            (logical) dtype: bf16 for a bf16 parameter, fp32 for an fp32 one.
+        bias: ``[N]`` or None, kept in high precision.
+        recipe: the 8-bit recipe (captured here; backward uses it even outside autocast).
+        quantizers: role -> quantizer override (default: ``recipe.quantizers()``).
+        weight_cache: reuse the quantized operands of a high-precision weight across calls
+            while its version is unchanged (modules pass their own); None quantizes per call.
+        name: used in error messages (the module FQN).
+        stats: dict filled with ``role -> QuantStats`` of every quantization (observability).
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    Raises:
+        LowPrecisionUnavailableError: the shape breaks the format's rule (see module doc),
+            the weight is quantized in another format, or the backend cannot run the GEMM.
+    """
+    numerics = GemmNumerics.from_recipe(recipe, quantizers)
+    n, k = weight.shape
+    context = GemmContext(name or f"linear(weight [{n}, {k}])", stats)
+    need_wgrad = torch.is_grad_enabled() and weight.requires_grad
+    _check_shapes(numerics, context, tuple(x.shape), (n, k), need_wgrad)
+    w_ops = weight_operands(weight, numerics, weight_cache, context)
+    y_MN = _LinearFunction.apply(x.reshape(-1, k), weight, bias, w_ops, numerics, context, torch.is_grad_enabled())
+    return y_MN.reshape(*x.shape[:-1], n)

@@ -1,0 +1,183 @@
+"""What every low-precision GEMM family shares: the frozen numerics object, role-tagged
+quantization of activations / gradients, saving operands for backward, and shape checks.
+
+Shape legend: ``M`` rows (tokens) of the 2D activation, ``K`` input features (the fprop
+reduction dim), ``N`` output features, ``G`` groups (experts), ``T`` rows of a grouped operand.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Sequence
+
+import torch
+
+from te_npu.errors import LowPrecisionUnavailableError
+from te_npu.formats import Format, Orientation, QuantizationRole
+from te_npu.quantizers import Quantizer
+from te_npu.recipe import Recipe
+from te_npu.tensor.operand import QuantizedOperand
+
+__all__ = [
+    "GemmNumerics",
+    "GemmContext",
+    "QuantStats",
+    "quantize_operand",
+    "quantize_pair",
+    "save_operands",
+    "load_operands",
+    "group_list_tensor",
+    "unavailable",
+]
+
+# Whether one quantization serves both orientations of a tensor. HiF8 has a per-tensor scale,
+# so the codes do not depend on the blocking direction; MXFP8 blocks along the reduction dim
+# and needs a separately quantized copy per orientation (both from the high-precision values).
+_ONE_COPY_FOR_BOTH_ORIENTATIONS = {Format.HIF8: True, Format.MXFP8_E4M3: False}
+
+
+@dataclass(frozen=True, eq=False)
+class GemmNumerics:
+    """The numerics-only arguments of one low-precision linear call, captured in forward.
+
+    Backward reads the recipe from here, never from the autocast state, so a backward that
+    runs outside ``te_npu.autocast`` still computes in the forward's format.
+
+    recipe: the frozen recipe; quantizers: role -> quantizer (default ``recipe.quantizers()``).
+    """
+
+    recipe: Recipe
+    quantizers: Mapping[QuantizationRole, Quantizer]
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, quantizers: Mapping[QuantizationRole, Quantizer] | None = None) -> "GemmNumerics":
+        """Numerics of ``recipe``; ``quantizers`` overrides the recipe's role -> quantizer map."""
+        return cls(recipe, MappingProxyType(dict(recipe.quantizers() if quantizers is None else quantizers)))
+
+    @property
+    def format(self) -> Format:
+        return self.recipe.format
+
+    @property
+    def block_size(self) -> int:
+        """Elements sharing one scale along a blocked dim (MXFP8: 32; per-tensor formats: 1)."""
+        return getattr(self.quantizers[QuantizationRole.INPUT_FWD], "block_size", 1)
+
+    def quantizer(self, role: QuantizationRole) -> Quantizer:
+        return self.quantizers[role]
+
+
+class QuantStats(NamedTuple):
+    """Last quantization of one role, for observability (detached, never synced to the host).
+
+    orientation: "row" / "col" / "both" (one copy serving both, HiF8);
+    shape: the source tensor's shape; scale: the operand's scale (HiF8: FP32 ``[]`` / ``[E]``;
+    MXFP8: the E8M0 block-scale codes); amax: HiF8 ``scale * format_max`` (the amax the
+    current scale was computed from, exact up to one FP32 rounding, for a finite non-zero
+    tensor), None for MXFP8 (each block has its own amax; the codes are the statistic).
+    """
+
+    orientation: str
+    shape: tuple[int, ...]
+    amax: torch.Tensor | None
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GemmContext:
+    """Non-numerics call context: a name for error messages and an optional stats sink.
+
+    name: module FQN (or class name + shape) used in ``LowPrecisionUnavailableError``;
+    stats: a dict the call fills with ``role -> QuantStats`` (a module's ``quant_stats``).
+    """
+
+    name: str = "te_npu.functional"
+    stats: dict | None = None
+
+    def record(self, role: QuantizationRole, orientation: str, quantizer: Quantizer, source: torch.Tensor,
+               operand: QuantizedOperand) -> None:
+        if self.stats is None:
+            return
+        format_max = getattr(quantizer, "format_max", None)
+        scale = operand.scale.detach()
+        amax = scale * format_max if format_max is not None else None
+        self.stats[role] = QuantStats(orientation, tuple(source.shape), amax, scale)
+
+
+def unavailable(context: GemmContext, numerics: GemmNumerics, reason: str) -> LowPrecisionUnavailableError:
+    """The error raised instead of any high-precision fallback."""
+    return LowPrecisionUnavailableError(f"{context.name}: {numerics.format.value} GEMM cannot run: {reason}")
+
+
+def quantize_operand(numerics: GemmNumerics, context: GemmContext, tensor: torch.Tensor, role: QuantizationRole,
+                     orientation: Orientation, group_list: torch.Tensor | None = None) -> QuantizedOperand:
+    """Quantize ``tensor`` with the quantizer of ``role`` for one GEMM orientation."""
+    quantizer = numerics.quantizer(role)
+    operand = quantizer.quantize(tensor, orientation=orientation, group_list=group_list)
+    context.record(role, orientation, quantizer, tensor, operand)
+    return operand
+
+
+def quantize_pair(numerics: GemmNumerics, context: GemmContext, tensor: torch.Tensor,
+                  row_role: QuantizationRole, col_role: QuantizationRole, *,
+                  group_list: torch.Tensor | None = None, need_row: bool = True,
+                  need_col: bool = True) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
+    """Row operand (role ``row_role``) and col operand (role ``col_role``) of ``tensor``.
+
+    Only the needed ones are made (None otherwise). Both come from the high-precision
+    ``tensor``: deriving the col copy from the row copy would round twice. HiF8 with one
+    quantizer for both roles quantizes once and relabels the operand (same codes and scale).
+    MXFP8 dense uses the dual-axis quantizer; with ``group_list`` the col copy gets blocks
+    that restart at every group boundary (ragged blocks, dim 0).
+    """
+    if not (need_row and need_col):
+        row = quantize_operand(numerics, context, tensor, row_role, "row") if need_row else None
+        col = quantize_operand(numerics, context, tensor, col_role, "col", group_list) if need_col else None
+        return row, col
+    row_q, col_q = numerics.quantizer(row_role), numerics.quantizer(col_role)
+    if row_q == col_q and _ONE_COPY_FOR_BOTH_ORIENTATIONS[numerics.format]:
+        row = row_q.quantize(tensor, orientation="row", group_list=group_list)
+        context.record(row_role, "both", row_q, tensor, row)
+        context.record(col_role, "both", col_q, tensor, row)
+        return row, dataclasses.replace(row, orientation="col")
+    if row_q == col_q and group_list is None and hasattr(row_q, "quantize_dual"):
+        row, col = row_q.quantize_dual(tensor)
+        context.record(row_role, "row", row_q, tensor, row)
+        context.record(col_role, "col", col_q, tensor, col)
+        return row, col
+    row = quantize_operand(numerics, context, tensor, row_role, "row")
+    col = quantize_operand(numerics, context, tensor, col_role, "col", group_list)
+    return row, col
+
+
+def save_operands(ctx, operands: Sequence[QuantizedOperand | None]) -> None:
+    """``save_for_backward`` the payloads (so saved-tensor hooks and checkpointing see them)."""
+    tensors, meta = [], []
+    for operand in operands:
+        if operand is None:
+            meta.append(None)
+            continue
+        tensors += [operand.data, operand.scale]
+        meta.append(dataclasses.replace(operand, data=None, scale=None))
+    ctx.save_for_backward(*tensors)
+    ctx.operand_meta = meta
+
+
+def load_operands(ctx) -> list[QuantizedOperand | None]:
+    """Inverse of :func:`save_operands`."""
+    saved = iter(ctx.saved_tensors)
+    return [None if m is None else dataclasses.replace(m, data=next(saved), scale=next(saved))
+            for m in ctx.operand_meta]
+
+
+def group_list_tensor(m_splits: Sequence[int] | torch.Tensor, num_groups: int, num_rows: int,
+                      device: torch.device) -> torch.Tensor:
+    """int64 ``[G]`` row counts on ``device``, checked against G and T (a host sync for tensors)."""
+    group_list = torch.as_tensor(m_splits, dtype=torch.int64).to(device)
+    if group_list.dim() != 1 or group_list.numel() != num_groups:
+        raise ValueError(f"m_splits must hold {num_groups} group sizes, got shape {tuple(group_list.shape)}")
+    total = int(group_list.sum())
+    if total != num_rows or bool((group_list < 0).any()):
+        raise ValueError(f"m_splits {group_list.tolist()} must be non-negative and sum to the {num_rows} input rows")
+    return group_list

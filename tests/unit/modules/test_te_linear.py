@@ -1,0 +1,197 @@
+"""TELinear / TEGroupedLinear / TEGroupedSwiGLUExperts: paths, weight caching, recompute,
+quantized weights, state dicts, error naming, and the npu backend through the fake torch_npu."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import te_npu
+from te_npu import HiF8CurrentScalingRecipe, LowPrecisionUnavailableError, MXFP8BlockRecipe
+from te_npu.ops import GemmEvent, QuantEvent, observe
+from te_npu.tensor import QuantizedWeightTensor
+from tests.unit.functional.gemm_reference import RECIPES
+
+
+@pytest.fixture
+def rand():
+    gen = torch.Generator().manual_seed(7)
+
+    def make(*shape, scale=1.0, requires_grad=False):
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).requires_grad_(requires_grad)
+
+    return make
+
+
+def _weight_quantizations(events, shape):
+    return [e for e in events if isinstance(e, QuantEvent) and e.shape == tuple(shape)]
+
+
+def test_te_linear_plain_path_is_f_linear(rand):
+    torch.manual_seed(0)
+    lin = te_npu.TELinear(64, 96, bias=True)
+    x = rand(8, 64)
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    with te_npu.autocast(enabled=False):
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert list(lin.state_dict()) == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_te_linear_micro_batches_quantize_weight_once(recipe, rand):
+    torch.manual_seed(0)
+    lin = te_npu.TELinear(64, 96)
+    events = []
+    with observe(events.append):
+        for _ in range(3):  # three micro-batches, gradients accumulate
+            with te_npu.autocast(recipe=recipe):
+                y = lin(rand(32, 64, requires_grad=True))
+            y.float().sum().backward()
+    assert len(_weight_quantizations(events, (96, 64))) == 1
+    assert len([e for e in events if isinstance(e, GemmEvent)]) == 9
+    assert list(lin.state_dict()) == ["weight"] and not list(lin.buffers())
+    with torch.no_grad():  # an optimizer step updates in place -> version bump -> one re-quantization
+        lin.weight.add_(0.01)
+    events.clear()
+    with observe(events.append), te_npu.autocast(recipe=recipe):
+        lin(rand(32, 64))
+        lin(rand(32, 64))
+    assert len(_weight_quantizations(events, (96, 64))) == 1
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("kind", ["dense", "grouped", "swiglu"])
+def test_te_modules_recompute_bitwise_without_weight_requantization(recipe, kind, rand):
+    torch.manual_seed(0)
+    if kind == "dense":
+        module, x, extra = te_npu.TELinear(64, 96, bias=True), rand(2, 32, 64), ()
+    elif kind == "grouped":
+        module, x, extra = te_npu.TEGroupedLinear(4, 64, 96), rand(100, 64), ([40, 0, 55, 5],)
+    else:
+        module, x, extra = te_npu.TEGroupedSwiGLUExperts(4, 64, 32), rand(100, 64), ([40, 0, 55, 5],)
+
+    def run(use_checkpoint):
+        module.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with te_npu.autocast(recipe=recipe):
+            y = checkpoint(module, xi, *extra, use_reentrant=False) if use_checkpoint else module(xi, *extra)
+        y.float().pow(2).sum().backward()
+        return xi.grad, [p.grad.clone() for p in module.parameters()]
+
+    run(False)  # warm the weight caches
+    events = []
+    with observe(events.append):
+        plain = run(False)
+        recomputed = run(True)
+    weight_shapes = {tuple(p.shape) for p in module.parameters() if p.dim() >= 2}
+    assert not [e for e in events if isinstance(e, QuantEvent) and e.shape in weight_shapes]
+    assert torch.equal(plain[0], recomputed[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], recomputed[1]))
+    assert set(module.state_dict()) == {n for n, _ in module.named_parameters()} and not list(module.buffers())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("how", ["quantized_model_init", "quantize_weights_"])
+def test_te_modules_quantized_weights(recipe, how, rand):
+    torch.manual_seed(0)
+    if how == "quantized_model_init":
+        with te_npu.quantized_model_init(recipe=recipe):
+            model = torch.nn.ModuleDict({"lin": te_npu.TELinear(64, 96, bias=True),
+                                         "experts": te_npu.TEGroupedSwiGLUExperts(4, 64, 32)})
+    else:
+        model = torch.nn.ModuleDict({"lin": te_npu.TELinear(64, 96, bias=True),
+                                     "experts": te_npu.TEGroupedSwiGLUExperts(4, 64, 32)})
+        te_npu.quantize_weights_(model, recipe)
+    assert isinstance(model["lin"].weight, QuantizedWeightTensor) and isinstance(model["lin"].weight, torch.nn.Parameter)
+    assert not isinstance(model["lin"].bias, QuantizedWeightTensor)
+    assert isinstance(model["experts"].down_proj, QuantizedWeightTensor)
+    assert list(model.state_dict()) == ["lin.weight", "lin.bias", "experts.gate_up_proj", "experts.down_proj"]
+    events = []
+    with observe(events.append):
+        for _ in range(2):
+            with te_npu.autocast(recipe=recipe):
+                y = model["lin"](rand(32, 64)).float().sum() + model["experts"](rand(20, 64), [5, 0, 15, 0]).float().sum()
+            y.backward()
+    assert not [e for e in events if isinstance(e, QuantEvent) and (len(e.shape) == 3 or e.shape == (96, 64))]
+    assert model["lin"].weight.grad.shape == (96, 64) and model["lin"].weight.grad.dtype == torch.bfloat16
+    assert model["experts"].gate_up_proj.grad.shape == (4, 64, 64)
+    # outside autocast the BF16 baseline uses weight.dequantize()
+    x = rand(8, 64)
+    torch.testing.assert_close(model["lin"](x), F.linear(x, model["lin"].weight.dequantize(), model["lin"].bias))
+    other = HiF8CurrentScalingRecipe() if recipe.format.value == "mxfp8_e4m3" else MXFP8BlockRecipe()
+    te_npu.assign_fqns(model)
+    with pytest.raises(LowPrecisionUnavailableError, match=rf"lin: weight is stored as {recipe.format.value}.*"
+                                                           rf"requests {other.format.value}"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with te_npu.autocast(recipe=other):
+                model["lin"](rand(32, 64))
+
+
+def test_te_linear_error_names_fqn_and_recipe_change_warns(rand):
+    model = torch.nn.Sequential(torch.nn.Identity(), te_npu.TELinear(64, 96))
+    te_npu.assign_fqns(model)
+    with pytest.raises(LowPrecisionUnavailableError, match=r"^1: mxfp8_e4m3 GEMM cannot run: input \[40, 64\] \(M=40"):
+        with te_npu.autocast(recipe=MXFP8BlockRecipe()):
+            model(rand(40, 64, requires_grad=True))
+    with te_npu.autocast(recipe=MXFP8BlockRecipe()):
+        model(rand(32, 64))
+    with pytest.warns(UserWarning, match="recipe changed from MXFP8BlockRecipe to HiF8CurrentScalingRecipe"):
+        with te_npu.autocast(recipe=HiF8CurrentScalingRecipe()):
+            model(rand(32, 64))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_te_linear_quant_stats(recipe, rand):
+    from te_npu.formats import QuantizationRole as Role
+
+    lin = te_npu.TELinear(64, 96)
+    x = rand(32, 64, requires_grad=True)
+    with te_npu.autocast(recipe=recipe):
+        lin(x).float().sum().backward()
+    assert set(lin.quant_stats) == set(Role)
+    stats = lin.quant_stats[Role.INPUT_FWD]
+    assert stats.shape == (32, 64) and not stats.scale.requires_grad
+    if recipe.format.value == "hif8":
+        torch.testing.assert_close(stats.amax, x.detach().abs().float().amax())
+        torch.testing.assert_close(lin.quant_stats[Role.GRAD_OUTPUT].scale, torch.tensor(1 / 224))
+    else:
+        assert stats.amax is None and stats.scale.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_te_modules_run_npu_backend_through_fake(recipe, rand, monkeypatch):
+    """The npu wrappers (te_npu.ops.npu) run on CPU through the recording fake torch_npu: every
+    GEMM and quantization of one fwd+bwd goes to torch_npu ops, and the result equals emulation."""
+    from te_npu.ops import registry
+    from tests.fakes import install_fake_torch_npu
+
+    torch.manual_seed(0)
+    lin = te_npu.TELinear(64, 96)
+    experts = te_npu.TEGroupedLinear(4, 64, 96)
+    x, xg = rand(32, 64), rand(100, 64)
+
+    def step():
+        lin.zero_grad(), experts.zero_grad()
+        xi, xgi = x.clone().requires_grad_(), xg.clone().requires_grad_()
+        with te_npu.autocast(recipe=recipe):
+            y = lin(xi).float().sum() + experts(xgi, [40, 0, 55, 5]).float().sum()
+        y.backward()
+        return [xi.grad, xgi.grad, lin.weight.grad, experts.weight.grad]
+
+    expected = step()
+    fake = install_fake_torch_npu(monkeypatch)
+    monkeypatch.setitem(registry._BY_DEVICE_TYPE, "cpu", registry.npu)
+    for module in (lin, experts):
+        for cache in module._weight_caches.values():
+            cache.clear()
+    events = []
+    with observe(events.append):
+        got = step()
+    assert {e.backend for e in events} == {"npu"}
+    assert len(fake.calls_of("npu_quant_matmul")) == 3 and len(fake.calls_of("npu_grouped_matmul")) == 3
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
