@@ -178,7 +178,7 @@ DSV3_16B = DeepseekV3Config()
 # so MXFP8 blocks of 32 and FSDP shards over 2 ranks stay whole.
 DSV3_TINY = DeepseekV3Config(
     vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
-    first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1,
+    first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, n_shared_experts=2,
     num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=64,
     qk_rope_head_dim=64, v_head_dim=64, max_position_embeddings=512,
 )

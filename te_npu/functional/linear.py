@@ -155,4 +155,9 @@ def linear(
     _check_shapes(numerics, context, tuple(x.shape), (n, k), need_wgrad)
     w_ops = weight_operands(weight, numerics, weight_cache, context)
     y_MN = _LinearFunction.apply(x.reshape(-1, k), weight, bias, w_ops, numerics, context, torch.is_grad_enabled())
-    return y_MN.reshape(*x.shape[:-1], n)
+    if x.dim() == 2:
+        return y_MN
+    # Like F.linear / matmul: y_MN is a fresh tensor nobody else holds, so hand out its
+    # [..., N] shape as a new tensor rather than a view (a view output makes FSDP2 warn that
+    # an in-place op on it would drop its pre-backward hook).
+    return torch.ops.aten._unsafe_view(y_MN, [*x.shape[:-1], n])

@@ -1,0 +1,75 @@
+"""DeepSeek-V3 pretraining: wires the model into te_npu's generic Trainer.
+
+    python -m models.deepseek_v3.pretrain --config recipes/dsv3_tiny_mxfp8.yaml [key=value ...]
+
+(``scripts/pretrain_dsv3.sh`` runs this under torchrun.)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.deepseek_v3.config import DSV3_16B, DSV3_TINY, DeepseekV3Config, from_hf_config, to_hf_config_dict, validate_16b
+from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, low_precision_scope, materialize_
+from te_npu.training.config import TrainConfig, load_config
+from te_npu.training.trainer import Trainer
+
+__all__ = ["DeepseekV3Task", "model_config", "main"]
+
+_PRESETS = {"dsv3_16b": DSV3_16B, "dsv3_tiny": DSV3_TINY}
+
+
+def model_config(cfg: TrainConfig) -> DeepseekV3Config:
+    """The ``model`` section -> ``DeepseekV3Config`` (preset or HF config.json, then overrides)."""
+    m = cfg.model
+    source = to_hf_config_dict(_PRESETS[m.preset]) if m.preset is not None else m.hf_config
+    return from_hf_config(source, dict(m.overrides))
+
+
+class DeepseekV3Task:
+    """``TrainTask`` for ``DeepseekV3ForCausalLM``."""
+
+    def build(self, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+        return DeepseekV3ForCausalLM(model_config(cfg), dtype=dtype)
+
+    def validate(self, model: nn.Module, cfg: TrainConfig) -> None:
+        if cfg.model.validate_16b:
+            validate_16b(model)
+
+    def materialize(self, model: nn.Module, *, seed: int, device: torch.device, dtype: torch.dtype) -> None:
+        materialize_(model, seed, device=device, dtype=dtype)
+
+    def layer_types(self) -> tuple[type[nn.Module], ...]:
+        return (DecoderLayer,)
+
+    def low_precision_scope(self, model: nn.Module) -> list[str]:
+        return low_precision_scope(model)
+
+    def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The data pipeline gives labels already shifted (labels[s] = next token of input_ids[s]),
+        # so the loss is a plain token-wise cross-entropy, not the HF shift-by-one loss.
+        logits_BSV = model(input_ids).logits
+        return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels.flatten())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/dsv3_tiny_mxfp8.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.train_steps=20")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before any model
+    trainer = Trainer(DeepseekV3Task())
+    try:
+        trainer.setup(cfg)
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

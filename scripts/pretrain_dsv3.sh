@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Launch DeepSeek-V3 pretraining with torchrun.
+#
+#   bash scripts/pretrain_dsv3.sh                         # tiny model, 2 CPU ranks, gloo, MXFP8 emulation
+#   RECIPE=recipes/dsv3_tiny_hif8.yaml bash scripts/pretrain_dsv3.sh
+#   RECIPE=recipes/dsv3_16b_mxfp8.yaml NPROC=8 bash scripts/pretrain_dsv3.sh   # 8x Ascend A5 (hccl)
+#
+# Extra arguments are config overrides, e.g. `training.train_steps=50 logging.dir=runs/try`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RECIPE="${RECIPE:-recipes/dsv3_tiny_mxfp8.yaml}"
+NPROC="${NPROC:-2}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29517}"
+
+if [ "$NNODES" = "1" ] && [ "$MASTER_ADDR" = "127.0.0.1" ]; then
+  # One CPU thread per rank keeps 2 ranks from fighting over a small machine's cores.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
+fi
+
+exec python3 -m torch.distributed.run \
+  --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  -m models.deepseek_v3.pretrain --config "$RECIPE" "$@"
