@@ -18,7 +18,7 @@ Bit-exactness notes
   results, which are far below half the smallest E4M3 subnormal and round to zero either way).
   The product is clamped to +-448 and cast with round-to-nearest-even. PyTorch's cast is not
   relied on to saturate.
-* A block with NaN or +-Inf gets scale code 0xFF and all its elements NaN (sign unspecified).
+* A block with NaN or +-Inf gets scale code 0xFF and all its elements the NaN code 0x7F.
 * BF16 input is scaled in BF16 (exact: BF16 has FP32's exponent range), any other dtype in FP32;
   the results are identical, BF16 just moves half the bytes.
 """
@@ -31,6 +31,7 @@ from te_npu.numerics.constants import (
     E4M3_MAX,
     E8M0_BIAS,
     E8M0_MAX_EXP,
+    E4M3_NAN_CODE,
     E8M0_NAN,
     FP32_EXP_MASK,
     FP32_MANTISSA_BITS,
@@ -157,6 +158,9 @@ def _quantize_blocked(xc: torch.Tensor, axis: int, block_size: int, scale_alg: s
     codes = scale_codes_from_amax(amax, scale_alg)
     y = xb * _inverse_scale(codes, xc.dtype)
     data = y.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    nan_blocks = codes == E8M0_NAN
+    if bool(nan_blocks.any()):  # canonical NaN 0x7F: the NaN sign would otherwise depend on dtype/path
+        data = torch.where(nan_blocks, E4M3_NAN_CODE, data.view(torch.uint8)).to(torch.uint8).view(torch.float8_e4m3fn)
     return data.reshape(shape), codes.squeeze(axis + 1)
 
 

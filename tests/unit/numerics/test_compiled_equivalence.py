@@ -1,0 +1,107 @@
+"""The torch.compile-d quantizers (te_npu.numerics.compiled) equal the eager ones bit for bit.
+
+Every case compiles (30-100 s each on a loaded 2-core CPU), so every case is marked slow:
+run them with ``python -m pytest -q -m slow tests/unit/numerics/test_compiled_equivalence.py``. Inputs mix ordinary values with the edge cases of each format: zeros of
+both signs, FP32/BF16 subnormals, ties, values beyond the format, +-Inf and NaN.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from te_npu.numerics import compiled, hif8, mxfp8
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def assert_bitwise_equal(got, ref):
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert torch.equal(_bits(g), _bits(r)), f"{int((_bits(g) != _bits(r)).sum())} codes differ"
+
+
+def mixed_input(shape, gen, dtype=torch.float32, specials=True) -> torch.Tensor:
+    """Normal values over a wide exponent range, plus one block of special values."""
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-30, 30, shape, generator=gen).float())
+    if specials:
+        flat = x.view(-1)
+        special = torch.tensor([0.0, -0.0, 1e-40, -1e-42, 2.0**-126, 448.0, 464.0, -480.0, 1.0625,
+                                2.0**-23, 40960.0, 1e30, -3e38])
+        flat[: special.numel()] = special
+        flat[200] = math.nan
+        flat[333] = math.inf
+        flat[500] = -math.inf
+        flat[-64:-32] = 0.0  # an all-zero block
+        flat[-32:] *= 2.0**-120  # a tiny block: scale code 0 / subnormal elements
+    return x.to(dtype)
+
+
+@pytest.mark.slow
+def test_compiled_mxfp8_dual_small_bf16(gen):
+    """The smallest case: dual-axis MXFP8 of a small bf16 weight with special values."""
+    x = mixed_input((64, 96), gen, torch.bfloat16)
+    assert_bitwise_equal(compiled.quantize_dual_compiled(x), mxfp8.quantize_dual(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "fp32", "fp16"])
+@pytest.mark.parametrize("alg", ["floor", "ceil"])
+def test_compiled_mxfp8_quantize_equals_eager(dtype, alg, gen):
+    x = mixed_input((64, 128), gen, dtype)
+    for axis in (-1, 0):
+        got = compiled.quantize_compiled(x, axis, scale_alg=alg)
+        assert_bitwise_equal(got, mxfp8.quantize(x, axis, scale_alg=alg))
+
+
+@pytest.mark.slow
+def test_compiled_mxfp8_every_bf16_value_equals_eager():
+    # all 65536 bf16 bit patterns, blocked both ways, with and without huge neighbours
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)  # keep most blocks finite
+    assert_bitwise_equal(compiled.quantize_dual_compiled(x), mxfp8.quantize_dual(x))
+    y = x.clone()
+    y[::7, ::5] = 3e38
+    assert_bitwise_equal(compiled.quantize_dual_compiled(y), mxfp8.quantize_dual(y))
+
+
+@pytest.mark.slow
+def test_compiled_mxfp8_random_fp32_bits_equal_eager(np_rng):
+    bits = np_rng.integers(-(2**31), 2**31, size=(128, 256), dtype=np.int64).astype(np.int32)
+    x = torch.from_numpy(bits.view(np.float32))
+    x[:64] = x[:64].abs() * 2.0**-100  # many finite blocks with tiny/subnormal members
+    assert_bitwise_equal(compiled.quantize_dual_compiled(x), mxfp8.quantize_dual(x))
+
+
+@pytest.mark.slow
+def test_compiled_mxfp8_dual_3d(gen):
+    x = mixed_input((2, 64, 64), gen, torch.bfloat16)
+    assert_bitwise_equal(compiled.quantize_dual_compiled(x), mxfp8.quantize_dual(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saturate", [False, True], ids=["inf", "saturate"])
+def test_compiled_hif8_encode_equals_eager(saturate, np_rng):
+    bits = np_rng.integers(-(2**31), 2**31, size=(1 << 16,), dtype=np.int64).astype(np.int32)
+    x = torch.from_numpy(bits.view(np.float32)).clone()
+    x[:4096] = x[:4096] * 2.0**-100  # denormal HiF8 band and underflow
+    x[4096:8192] = torch.from_numpy(np_rng.standard_normal(4096).astype(np.float32)) * 2.0**16
+    x[:16] = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 2.0**-23, -(2.0**-23), 40960.0,
+                           -40960.0, 1.0625, 15.5, 240.0, 2.0**-16 * 1.5, 1e-45, 32768.0, 40959.996])
+    assert_bitwise_equal([compiled.hif8_encode_compiled(x, saturate)], [hif8.encode(x, saturate)])
+
+
+@pytest.mark.slow
+def test_compiled_hif8_quantize_and_current_scaling_equal_eager(gen):
+    x = mixed_input((64, 128), gen, torch.bfloat16, specials=False)
+    scale = hif8.current_scale(x.abs().amax(), 15.0)
+    assert_bitwise_equal([compiled.hif8_quantize_compiled(x, scale)], [hif8.quantize(x, scale)])
+    codes, got_scale = compiled.hif8_current_quantize_compiled(x, 15.0)
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(codes, hif8.quantize(x, scale))
+    x3 = mixed_input((3, 32, 64), gen, torch.float32, specials=False)
+    scales = hif8.current_scale(x3.abs().amax(dim=(1, 2)), 224.0)  # per-group [E] scale
+    assert_bitwise_equal([compiled.hif8_quantize_compiled(x3, scales)], [hif8.quantize(x3, scales)])
