@@ -1,5 +1,6 @@
 """Config schema: every illegal row fails before any model is built, naming its key path."""
 import dataclasses
+import subprocess
 import sys
 from pathlib import Path
 
@@ -177,9 +178,15 @@ def test_config_recipe_sizes():
 
 
 def test_config_load_does_not_touch_npu_or_models():
-    load_config(REPO / "recipes/dsv3_16b_hif8.yaml")
-    assert "torch_npu" not in sys.modules
-    assert not any(m == "models" or m.startswith("models.") for m in sys.modules)
+    # A fresh interpreter: other tests in this process may already have imported models/.
+    code = (
+        "import sys\n"
+        "from te_npu.training.config import load_config\n"
+        f"load_config({str(REPO / 'recipes/dsv3_16b_hif8.yaml')!r})\n"
+        "assert 'torch_npu' not in sys.modules, 'torch_npu imported'\n"
+        "assert not any(m == 'models' or m.startswith('models.') for m in sys.modules), 'models imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 def test_config_hf_config_file(tmp_path):

@@ -1,0 +1,565 @@
+"""Compare the BF16 / MXFP8 / HiF8 tiny DeepSeek-V3 recipes on the same data and seed.
+
+    python scripts/compare_recipes.py --steps 200 --out runs/compare_recipes \\
+        --report-md docs/compare_recipes.md --report-png docs/compare_recipes.png
+
+For each recipe (``recipes/dsv3_tiny_<x>.yaml``):
+
+1. **Training** through the production entry, 2 ranks:
+   ``python -m torch.distributed.run --nproc_per_node 2 -m models.deepseek_v3.pretrain
+   --config recipes/dsv3_tiny_<x>.yaml <overrides>`` with its own ``logging.dir`` /
+   ``checkpoint.dir`` under ``--out``; the same seed, data and batch order for every recipe.
+   Curves, validation loss, tokens/s, step time and peak memory come from its ``metrics.jsonl``.
+2. **Profiling** (a separate short run, same config): this script re-launched under
+   ``torch.distributed.run`` with ``--profile-worker`` builds the production ``Trainer``, runs
+   ``--profile-warmup`` steps, then ``--profile-steps`` steps under ``torch.profiler`` (CPU).
+   The emulation backend's entry points (``te_npu.ops.emulation``: quantize / matmul /
+   grouped_matmul) are wrapped in ``record_function`` ranges for the run, so the profile can
+   attribute time to quantization and to 8-bit GEMMs; high-precision matmuls (BF16 TE modules,
+   lm_head, router) count as GEMM; ``c10d::`` / ``gloo:`` ops as collectives (all-gather,
+   reduce-scatter, all-reduce).
+
+Then it writes a Markdown report and a PNG (loss curves train + val, throughput, time shares).
+
+Everything here runs on CPU: MXFP8 and HiF8 GEMMs and quantizations are *emulated* (exact
+decode + FP32 matmul), so they are slower than BF16 by construction; the throughput numbers
+measure the emulation, not Ascend kernels (spec 17.4's performance criteria need A5 hardware).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = ("bf16", "mxfp8", "hif8")
+DEFAULT_MODEL_OVERRIDES = ""
+ACCEPT_GAP = 0.05  # the issue's acceptance: final validation loss within 5% of BF16
+
+
+# ---------------------------------------------------------------------------------------------
+# command lines
+# ---------------------------------------------------------------------------------------------
+
+
+def run_overrides(args, recipe: str, run_dir: Path, steps: int, *, eval_interval: int) -> list[str]:
+    """Config overrides for one run (training or profiling) of ``recipe`` into ``run_dir``."""
+    out = [
+        f"training.train_steps={steps}",
+        f"training.eval_interval={eval_interval}",
+        f"logging.dir={run_dir}",
+        f"checkpoint.dir={run_dir / 'checkpoints'}",
+        "checkpoint.resume=false",
+        "checkpoint.interval=0",
+        "logging.plot=false",
+    ]
+    if args.model_overrides:
+        out.append(f"model.overrides={args.model_overrides}")
+    return out + list(args.set)
+
+
+def torchrun(nproc: int, port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
+            "--master_addr", "127.0.0.1", "--master_port", str(port)]
+
+
+def launch(cmd: list[str], log_path: Path, threads: int) -> float:
+    """Run ``cmd`` in the repo root, output to ``log_path``; returns wall seconds (raises on failure)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- {log_path} (tail) ---\n{tail}")
+    return time.perf_counter() - start
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# profiling worker (runs inside torch.distributed.run)
+# ---------------------------------------------------------------------------------------------
+
+CATEGORIES = ("quant", "gemm_8bit", "gemm_hp", "all_gather", "reduce_scatter", "all_reduce", "other_collective")
+_HP_GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "aten::_grouped_mm"}
+_QUANT_FNS = ("mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_grouped", "hif8_quantize",
+              "hif8_quantize_with_scale")
+_GEMM_FNS = ("matmul", "grouped_matmul")
+
+
+@contextlib.contextmanager
+def labelled_emulation():
+    """Wrap the emulation backend's entry points in ``record_function`` ranges (restored after)."""
+    import torch
+    from te_npu.ops import emulation
+
+    saved = {}
+
+    def wrap(name, label):
+        fn = getattr(emulation, name)
+        saved[name] = fn
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+
+        setattr(emulation, name, call)
+
+    for name in _QUANT_FNS:
+        wrap(name, f"te_npu::quant::{name}")
+    for name in _GEMM_FNS:
+        wrap(name, f"te_npu::gemm::{name}")
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(emulation, name, fn)
+
+
+def categorize(name: str) -> str | None:
+    if name.startswith("te_npu::quant::"):
+        return "quant"
+    if name.startswith("te_npu::gemm::"):
+        return "gemm_8bit"
+    if name in _HP_GEMM_OPS:
+        return "gemm_hp"
+    lowered = name.lower()
+    if lowered.startswith(("c10d::", "gloo:", "nccl:", "hccl:")):
+        if "allgather" in lowered or "all_gather" in lowered:
+            return "all_gather"
+        if "reduce_scatter" in lowered:
+            return "reduce_scatter"
+        if "allreduce" in lowered or "all_reduce" in lowered:
+            return "all_reduce"
+        return "other_collective"
+    return None
+
+
+def attribute_times(events) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per category on the training thread, each event counted under its outermost
+    categorized ancestor only (so the matmuls inside an emulated 8-bit GEMM count once); and,
+    separately, the busy time of gloo's worker threads per collective (it may overlap compute)."""
+    events = list(events)
+    threads = [e.thread for e in events if e.name.startswith("Optimizer.step")]
+    main_thread = max(set(threads), key=threads.count) if threads else None
+    totals, worker = dict.fromkeys(CATEGORIES, 0.0), dict.fromkeys(CATEGORIES, 0.0)
+    for event in events:
+        category = categorize(event.name)
+        if category is None:
+            continue
+        parent, nested = event.cpu_parent, False
+        while parent is not None:
+            if categorize(parent.name) is not None:
+                nested = True
+                break
+            parent = parent.cpu_parent
+        if not nested:
+            (totals if event.thread == main_thread else worker)[category] += event.cpu_time_total / 1e6
+    return totals, worker
+
+
+def profile_worker(args) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from models.deepseek_v3.pretrain import DeepseekV3Task
+    from te_npu.training.config import load_config
+    from te_npu.training.trainer import Trainer
+
+    run_dir = Path(args.profile_dir)
+    steps = args.profile_warmup + args.profile_steps
+    cfg = load_config(REPO / "recipes" / f"dsv3_tiny_{args.profile_worker}.yaml",
+                      run_overrides(args, args.profile_worker, run_dir, steps, eval_interval=0))
+    trainer = Trainer(DeepseekV3Task(), print_fn=lambda *_: None)
+    try:
+        trainer.setup(cfg)
+        with labelled_emulation():
+            for _ in range(args.profile_warmup):
+                trainer.train_step()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                records = [trainer.train_step() for _ in range(args.profile_steps)]
+                wall = time.perf_counter() - start
+        totals, worker = attribute_times(prof.events())
+        top = sorted(((e.key, e.cpu_time_total / 1e6) for e in prof.key_averages()), key=lambda kv: -kv[1])[:40]
+        result = {"rank": trainer.rank, "wall_s": wall, "steps": args.profile_steps, "seconds": totals, "worker_seconds": worker,
+                  "step_ms": [r.elapsed_ms for r in records], "top_ops": top}
+        (run_dir / f"profile_rank{trainer.rank}.json").write_text(json.dumps(result, indent=1))
+    finally:
+        trainer.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict], skip: int) -> dict:
+    train = [r for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "val"]
+    steady = train[skip:] or train
+    last_k = train[-10:]
+    return {
+        "steps": len(train),
+        "final_train": float(train[-1]["lm_loss"]),
+        "final_train_mean10": sum(float(r["lm_loss"]) for r in last_k) / len(last_k),
+        "final_val": float(val[-1]["lm_loss"]) if val else float("nan"),
+        "val_step": val[-1]["step"] if val else None,
+        "tokens_per_s": sum(float(r["tokens_per_s"]) for r in steady) / len(steady),
+        "step_ms": sum(float(r["elapsed_ms"]) for r in steady) / len(steady),
+        "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in train if r.get("peak_mem_mb") is not None),
+        "finite": all(math.isfinite(float(r["lm_loss"])) and math.isfinite(float(r["grad_norm"])) for r in train),
+        "skipped": int(train[-1].get("skipped_iterations", 0)),
+        "global_batch": train[-1].get("global_batch_size"),
+    }
+
+
+def read_profile(run_dir: Path) -> dict | None:
+    files = sorted(run_dir.glob("profile_rank*.json"))
+    if not files:
+        return None
+    ranks = [json.loads(f.read_text()) for f in files]
+    wall = sum(r["wall_s"] for r in ranks) / len(ranks)
+    seconds = {c: sum(r["seconds"][c] for r in ranks) / len(ranks) for c in CATEGORIES}
+    worker = {c: sum(r["worker_seconds"][c] for r in ranks) / len(ranks) for c in CATEGORIES}
+    return {"wall_s": wall, "steps": ranks[0]["steps"], "seconds": seconds, "worker_shares": {c: worker[c] / wall for c in CATEGORIES},
+            "shares": {c: seconds[c] / wall for c in CATEGORIES}, "ranks": len(ranks)}
+
+
+def plot(out_png: Path, runs: dict, summaries: dict, profiles: dict, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from te_npu.training.plots import series
+
+    colors = {"bf16": "tab:blue", "mxfp8": "tab:orange", "hif8": "tab:green"}
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    ax = axes[0, 0]
+    for name, records in runs.items():
+        steps, raw = series(records, "train", "lm_loss")
+        _, smooth = series(records, "train", "lm_loss", smooth=0.9)
+        ax.plot(steps, raw, color=colors[name], alpha=0.2, linewidth=0.8)
+        ax.plot(steps, smooth, color=colors[name], linewidth=1.5, label=f"{name} train (EMA 0.9)")
+        vsteps, vvalues = series(records, "val", "lm_loss")
+        ax.plot(vsteps, vvalues, color=colors[name], linestyle="--", marker="o", markersize=4, label=f"{name} val")
+    ax.set_title("lm loss (train: raw + EMA; val: dashed)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.legend(fontsize=8)
+
+    ax = axes[0, 1]
+    base = runs.get("bf16")
+    if base is not None:
+        bsteps, bvals = series(base, "val", "lm_loss")
+        ref = dict(zip(bsteps, bvals))
+        for name, records in runs.items():
+            if name == "bf16":
+                continue
+            steps, values = series(records, "val", "lm_loss")
+            pts = [(s, 100 * (v - ref[s]) / ref[s]) for s, v in zip(steps, values) if s in ref]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[name], marker="o", label=name)
+        ax.axhspan(-100 * ACCEPT_GAP, 100 * ACCEPT_GAP, color="grey", alpha=0.15, label="±5% acceptance band")
+        ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_title("validation loss gap vs BF16 (%)")
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=8)
+
+    ax = axes[1, 0]
+    for name, records in runs.items():
+        steps, values = series(records, "train", "tokens_per_s")
+        ax.plot(steps, values, color=colors[name], linewidth=1.0, label=f"{name} ({summaries[name]['tokens_per_s']:.0f} tok/s)")
+    ax.set_title("tokens/s (CPU emulation; not NPU performance)")
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=8)
+
+    ax = axes[1, 1]
+    names = [n for n in runs if profiles.get(n)]
+    labels = {"quant": "quantize", "gemm_8bit": "8-bit GEMM (emulated)", "gemm_hp": "high-precision matmul",
+              "all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
+              "other_collective": "other collectives"}
+    bottom = [0.0] * len(names)
+    for category in CATEGORIES:
+        values = [100 * profiles[n]["shares"][category] for n in names]
+        if not any(values):
+            continue
+        ax.bar(names, values, bottom=bottom, label=labels[category])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar(names, [100 - b for b in bottom], bottom=bottom, color="lightgrey", label="everything else")
+    ax.set_title("share of profiled step time (%), torch.profiler, mean of ranks")
+    ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+def _gap_by_step(runs: dict) -> list[str]:
+    """Validation loss gap vs BF16 at every evaluation (shows whether a gap grows with training)."""
+    val = {n: {r["step"]: float(r["lm_loss"]) for r in recs if r.get("kind") == "val"} for n, recs in runs.items()}
+    others = [n for n in runs if n != "bf16"]
+    if "bf16" not in val or not others:
+        return []
+    out = ["Validation loss gap vs BF16 at each evaluation:", "",
+           "| step | bf16 val | " + " | ".join(f"{n} gap" for n in others) + " |",
+           "|---" * (2 + len(others)) + "|"]
+    for step, ref in sorted(val["bf16"].items()):
+        gaps = [f"{100 * (val[n][step] - ref) / ref:+.2f}%" if step in val[n] else "—" for n in others]
+        out.append(f"| {step} | {ref:.4f} | " + " | ".join(gaps) + " |")
+    return out + [""]
+
+
+def _wall(walls: dict, name: str) -> str:
+    w = walls.get(name)
+    if not isinstance(w, dict):
+        return "? | ?"
+    return f"{w['wall_s']:.0f} | {w['load_start']:.1f} / {w['load_end']:.1f}"
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:+.2f}%"
+
+
+def write_report(args, out_md: Path, out_png: Path, runs: dict, summaries: dict, profiles: dict, walls: dict,
+                 cfg_dict: dict) -> str:
+    t = cfg_dict["training"]
+    base = summaries.get("bf16")
+    lines = [
+        "# BF16 (high-precision baseline) vs MXFP8 vs HiF8: tiny DeepSeek-V3 on CPU (emulation)",
+        "",
+        f"Generated by `python scripts/compare_recipes.py {' '.join(args.command)}` on {time.strftime('%Y-%m-%d')}.",
+        "",
+        "**Everything below is CPU emulation.** MXFP8 / HiF8 quantization and GEMMs run in "
+        "`te_npu.ops.emulation` (bit-exact decode, FP32 matmul); 2 gloo ranks on a 2-core CPU "
+        "shared with other jobs. Loss numbers are the numerics of the formats; time, throughput and "
+        "memory numbers describe the emulation, not Ascend A5 kernels, so spec 17.4's performance "
+        "criteria (Q3-11) cannot be judged here.",
+        "",
+        "## Setup",
+        "",
+        f"- Recipes: `recipes/dsv3_tiny_{{bf16,mxfp8,hif8}}.yaml` (identical except `low_precision`), "
+        f"launched with `python -m torch.distributed.run --nproc_per_node 2 -m models.deepseek_v3.pretrain`.",
+        f"- Overrides for every recipe: `{' '.join(run_overrides(args, 'x', Path('<out>/<recipe>'), args.steps, eval_interval=args.eval_interval))}`.",
+        f"- Model: `dsv3_tiny` preset + `model.overrides={args.model_overrides or '{}'}` "
+        f"({cfg_dict['model']['overrides']}).",
+        f"- Data: {cfg_dict['data']['kind']} corpus, byte-level (vocab 256), max_bytes {cfg_dict['data']['max_bytes']}, "
+        f"validation = held-out files ({cfg_dict['data']['val_fraction']:.0%}), `eval_steps` {t['eval_steps']} batches per rank.",
+        f"- Same seed ({t['seed']}), same batch order for all recipes: micro batch {t['micro_batch_size']} x seq_len "
+        f"{t['seq_len']} x 2 ranks x accumulation {t['gradient_accumulation_steps']} = "
+        f"{t['micro_batch_size'] * t['seq_len'] * 2 * t['gradient_accumulation_steps']} tokens per step; "
+        f"{args.steps} steps; lr {t['lr']} -> {t['min_lr']} {t['lr_schedule']}, warmup {t['warmup_steps']}.",
+        f"- Parameter dtype: `training.param_dtype: {t['param_dtype']}` (the tiny recipes' CPU choice). The "
+        f"`bf16` recipe is the high-precision baseline: its TE modules compute in the parameter dtype "
+        f"({t['param_dtype']} here), while MXFP8 / HiF8 run every TE GEMM (fprop, dgrad, wgrad) in 8 bits; "
+        "embedding, lm_head, router, norms and core attention stay high precision in all three.",
+        "",
+        "## Results",
+        "",
+        "| recipe | final val loss | gap vs BF16 | final train loss (mean last 10) | gap vs BF16 | "
+        "tokens/s | mean step time (ms) | peak RSS rank 0 (MiB) | finite / skipped | wall (s) | host load avg start / end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summaries.items():
+        if base and name != "bf16":
+            dv, dt = s["final_val"] - base["final_val"], s["final_train_mean10"] - base["final_train_mean10"]
+            gap_v = f"{dv:+.4f} ({pct(dv / base['final_val'])})"
+            gap_t = f"{dt:+.4f} ({pct(dt / base['final_train_mean10'])})"
+        else:
+            gap_v = gap_t = "—"
+        lines.append(
+            f"| {name} | {s['final_val']:.4f} | {gap_v} | {s['final_train_mean10']:.4f} | {gap_t} | "
+            f"{s['tokens_per_s']:.0f} | {s['step_ms']:.0f} | {s['peak_mem_mb']:.0f} | "
+            f"{'yes' if s['finite'] else 'NO'} / {s['skipped']} | {_wall(walls, name)} |"
+        )
+    skip = args.skip_steps
+    lines += [
+        "",
+        f"Final validation loss: the evaluation at the last step ({base['val_step'] if base else '?'}). Throughput "
+        f"and step time: mean over steps {skip + 1}..{args.steps} (the first {skip} excluded), from each run's "
+        "`metrics.jsonl` (`tokens_per_s`, `elapsed_ms` as the Trainer logs them). Peak memory: on CPU the "
+        "Trainer logs rank 0's process max RSS (`peak_memory_mb`), which includes the Python/torch runtime; "
+        "there is no device-memory counter to read.",
+        "",
+    ]
+    if base:
+        lines += ["Spec 17.4 ratios (emulation, informative only):", "",
+                  "| recipe | throughput_ratio (>= 1.0 on A5) | step_time_ratio (<= 1.0 on A5) |", "|---|---|---|"]
+        for name, s in summaries.items():
+            if name != "bf16":
+                lines.append(f"| {name} | {s['tokens_per_s'] / base['tokens_per_s']:.3f} | {s['step_ms'] / base['step_ms']:.3f} |")
+        lines.append("")
+    lines += [
+        "## Acceptance: final validation loss within 5% of BF16",
+        "",
+    ]
+    verdicts = []
+    if base:
+        for name, s in summaries.items():
+            if name == "bf16":
+                continue
+            gap = abs(s["final_val"] - base["final_val"]) / base["final_val"]
+            ok = gap <= ACCEPT_GAP and s["finite"]
+            verdicts.append(ok)
+            lines.append(f"- **{name}**: |{s['final_val']:.4f} - {base['final_val']:.4f}| / {base['final_val']:.4f} "
+                         f"= {100 * gap:.2f}% -> {'PASS' if ok else 'FAIL'}")
+        lines += ["", f"Overall: **{'holds' if verdicts and all(verdicts) else 'does NOT hold'}** for this run.", ""]
+        lines += _gap_by_step(runs)
+    lines += [
+        "## Time shares (torch.profiler)",
+        "",
+        f"A separate run per recipe (same config), {args.profile_warmup} warm-up steps, then {args.profile_steps} "
+        "steps under `torch.profiler` (CPU activities). Shares are of the profiled wall time, mean of the 2 ranks. "
+        "Quantize = the emulation backend's quantize entry points; 8-bit GEMM = its `matmul` / `grouped_matmul` "
+        "(decode + FP32 matmul); high-precision matmul = `aten::mm/bmm/addmm/matmul/linear` outside those ranges "
+        "(the baseline's TE modules, lm_head, router; core attention's SDPA is not counted); collectives = `c10d::` ops on the "
+        "training thread (all-gather = FSDP weight gathers, reduce-scatter = FSDP gradient reduction, all-reduce = "
+        "grad norm / HiF8 amax / loss); with gloo on 2 busy cores they also absorb waiting for the slower rank. "
+        "The last column is the busy time of gloo's own worker threads (the transfers themselves; they can "
+        "overlap compute, so it is not part of the other shares). Profiler overhead inflates everything a little.",
+        "",
+        "| recipe | profiled ms/step | quantize | 8-bit GEMM | HP matmul | all-gather | reduce-scatter | all-reduce | "
+        "other coll. | gloo worker: all-gather / all-reduce |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in summaries:
+        p = profiles.get(name)
+        if not p:
+            lines.append(f"| {name} | (not profiled) ||||||||")
+            continue
+        sh = p["shares"]
+        lines.append(
+            f"| {name} | {1000 * p['wall_s'] / p['steps']:.0f} | {100 * sh['quant']:.1f}% | {100 * sh['gemm_8bit']:.1f}% | "
+            f"{100 * sh['gemm_hp']:.1f}% | {100 * sh['all_gather']:.1f}% | {100 * sh['reduce_scatter']:.1f}% | "
+            f"{100 * sh['all_reduce']:.1f}% | {100 * sh['other_collective']:.1f}% | "
+            f"{100 * p['worker_shares']['all_gather']:.1f}% / {100 * p['worker_shares']['all_reduce']:.1f}% |"
+        )
+    lines += [
+        "",
+        "## Plot",
+        "",
+        f"![loss curves, gap, throughput, time shares]({os.path.relpath(out_png, out_md.parent)})",
+        "",
+        "## What this does not measure",
+        "",
+        "- NPU kernel speed, HBM traffic, and device memory (emulation on CPU; Q3-11 needs A5).",
+        "- The 16B model (this is the tiny preset; spec 17.1 forbids substituting it for acceptance).",
+        "- Statistical spread: one seed per recipe; the gaps include run-to-run noise of a single seed.",
+        "- Reshard / recompute switches (all runs: `reshard_after_forward: true`, recompute off).",
+        "",
+    ]
+    text = "\n".join(lines)
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per recipe (default: the recipes' 300)")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "compare_recipes", help="run directories")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma list out of bf16,mxfp8,hif8")
+    p.add_argument("--eval-interval", type=int, default=None, help="validation interval (default: steps // 5)")
+    p.add_argument("--skip-steps", type=int, default=None, help="steps excluded from throughput (default: max(5, steps // 10))")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-warmup", type=int, default=2)
+    p.add_argument("--model-overrides", default=DEFAULT_MODEL_OVERRIDES,
+                   help="model.overrides for every recipe, e.g. '{num_hidden_layers: 2}' (default: none)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override (repeatable)")
+    p.add_argument("--report-md", type=Path, default=None, help="default: <out>/compare_recipes.md")
+    p.add_argument("--report-png", type=Path, default=None, help="default: <out>/compare_recipes.png")
+    p.add_argument("--report-only", action="store_true", help="rebuild the report from existing runs in --out")
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    p.add_argument("--profile-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.eval_interval is None:
+        args.eval_interval = max(1, args.steps // 5)
+    if args.skip_steps is None:
+        args.skip_steps = max(5, args.steps // 10)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(REPO))
+    args = parse_args(argv)
+    if args.profile_worker:
+        return profile_worker(args)
+    recipes = [r for r in args.recipes.split(",") if r]
+    unknown = set(recipes) - set(RECIPES)
+    if unknown:
+        raise SystemExit(f"--recipes: unknown {sorted(unknown)}; choose from {RECIPES}")
+    out = args.out.resolve()
+    md = (args.report_md or out / "compare_recipes.md").resolve()
+    png = (args.report_png or out / "compare_recipes.png").resolve()
+    walls_file = out / "walls.json"
+    walls: dict[str, dict] = json.loads(walls_file.read_text()) if walls_file.exists() else {}
+    passthrough = [a for a in args.argv if a != "--report-only"]
+    if not args.report_only:
+        for name in recipes:
+            run_dir = out / name
+            config = REPO / "recipes" / f"dsv3_tiny_{name}.yaml"
+            if (run_dir / "metrics.jsonl").exists():
+                (run_dir / "metrics.jsonl").unlink()  # the logger appends; start clean
+            cmd = torchrun(2, free_port()) + ["-m", "models.deepseek_v3.pretrain", "--config", str(config),
+                                              *run_overrides(args, name, run_dir, args.steps, eval_interval=args.eval_interval)]
+            print(f"[{name}] training {args.steps} steps -> {run_dir}", flush=True)
+            load_start = os.getloadavg()[0]
+            wall = launch(cmd, run_dir / "train.log", args.threads)
+            walls[name] = {"wall_s": wall, "load_start": load_start, "load_end": os.getloadavg()[0],
+                           "finished": time.strftime("%H:%M:%S")}
+            print(f"[{name}] done in {wall:.0f} s; profiling {args.profile_steps} steps", flush=True)
+            prof_dir = out / name / "profile"
+            cmd = torchrun(2, free_port()) + [str(Path(__file__).resolve()), *passthrough,
+                                              "--profile-worker", name, "--profile-dir", str(prof_dir)]
+            launch(cmd, prof_dir / "profile.log", args.threads)
+            walls_file.write_text(json.dumps(walls, indent=1))
+        (out / "command.json").write_text(json.dumps(args.argv))
+
+    command_file = out / "command.json"
+    args.command = json.loads(command_file.read_text()) if command_file.exists() else args.argv
+    from te_npu.training.config import load_config
+    from te_npu.training.metrics_log import read_metrics
+
+    runs = {name: read_metrics(out / name / "metrics.jsonl") for name in recipes}
+    summaries = {name: summarize(records, args.skip_steps) for name, records in runs.items()}
+    profiles = {name: read_profile(out / name / "profile") for name in recipes}
+    cfg = load_config(REPO / "recipes" / f"dsv3_tiny_{recipes[0]}.yaml",
+                      run_overrides(args, recipes[0], out / recipes[0], args.steps, eval_interval=args.eval_interval))
+    title = (f"tiny DeepSeek-V3, {args.steps} steps, 2 CPU ranks (MXFP8/HiF8 emulated) - "
+             f"{cfg.tokens_per_step} tokens/step")
+    plot(png, runs, summaries, profiles, title)
+    text = write_report(args, md, png, runs, summaries, profiles, walls, cfg.to_dict())
+    print(text)
+    print(f"wrote {md} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Q3-10 (spec 15 / 17.2): every illegal configuration fails before a model is built, naming the key.
+
+Config-only rows go through the production entry (``models.deepseek_v3.pretrain.main`` ->
+``load_config``) and through ``Trainer.setup`` with a build-counting task. The misaligned-shard
+row needs 2 ranks and lives in ``test_q3_training.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.deepseek_v3.pretrain import DeepseekV3Task, main
+from te_npu.errors import ConfigError
+from te_npu.training.config import load_config
+from te_npu.training.trainer import Trainer
+from tests.system import harness as H
+
+# (override, text the error must contain)
+ILLEGAL = [
+    ("low_precision={enabled: true, format: hif8, scaling: delayed}", "low_precision.scaling"),
+    ("low_precision={enabled: false, format: hif8, scaling: delayed}", "low_precision.scaling"),
+    ("low_precision={enabled: true, format: mxfp8_e4m3, scaling: current}", "low_precision.scaling"),
+    ("fsdp_config.comm_fusion=true", "fsdp_config.comm_fusion"),
+    ("parallel.tensor_parallel_size=2", "parallel.tensor_parallel_size"),
+    ("parallel.context_parallel_size=2", "parallel.context_parallel_size"),
+    ("parallel.expert_parallel_size=2", "parallel.expert_parallel_size"),
+    ("parallel.pipeline_parallel_size=2", "parallel.pipeline_parallel_size"),
+    ("checkpoint.format=torch_save", "checkpoint.format"),
+    ("checkpoint.format=safetensors", "checkpoint.format"),
+    ("activation_checkpoint.mode=selective", "activation_checkpoint.mode"),
+]
+
+
+class CountingTask(DeepseekV3Task):
+    """The production task, counting ``build`` calls (to prove nothing was built)."""
+
+    builds = 0
+
+    def build(self, cfg, dtype):
+        CountingTask.builds += 1
+        return super().build(cfg, dtype)
+
+
+@pytest.fixture
+def counting_task():
+    CountingTask.builds = 0
+    return CountingTask()
+
+
+def _overrides(tmp_path, data_dir, *extra):
+    return H.st_overrides("mxfp8", tmp_path, data_dir, *extra)
+
+
+@pytest.mark.parametrize("override, key", ILLEGAL, ids=[o.split("=")[0] + "=" + o.split("=", 1)[1][:24] for o, _ in ILLEGAL])
+def test_q3_10_illegal_config_fails_in_load_config(tmp_path, override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data", override))
+    # the production entry fails the same way, before a Trainer exists
+    argv = ["--config", str(H.RECIPES["mxfp8"]), *_overrides(tmp_path, tmp_path / "data", override)]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        main(argv)
+    assert not (tmp_path / "logs").exists()
+
+
+def _setup_error(cfg, task) -> str:
+    with pytest.raises(ConfigError) as info:
+        Trainer(task, print_fn=lambda *_: None).setup(cfg)
+    assert task.builds == 0, "the model was built before the configuration error"
+    return str(info.value)
+
+
+def test_q3_10_dp_shard_size_must_match_world_size(tmp_path, counting_task, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not torch.distributed.is_initialized()
+    cfg = load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data"))  # dp_shard_size 2
+    message = _setup_error(cfg, counting_task)  # launched as a single process: world size 1
+    assert "fsdp_config.dp_shard_size" in message and "1 launched rank" in message
+
+
+@pytest.mark.parametrize("resume, kind", [("true", "missing"), ("true", "file"), ("true", "not_dcp_dir"),
+                                          ("auto", "file"), ("auto", "not_dcp_dir")])
+def test_q3_10_non_dcp_resume_path_fails_before_build(tmp_path, counting_task, monkeypatch, kind, resume):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if kind == "missing":
+        path = tmp_path / "nothing_here"
+    elif kind == "file":
+        path = tmp_path / "model.pt"
+        torch.save({"w": torch.zeros(2)}, path)
+    else:
+        path = tmp_path / "torch_ckpt"
+        path.mkdir()
+        torch.save({"w": torch.zeros(2)}, path / "model.pt")
+        (path / "latest").write_text("model.pt")  # looks like a te_npu dir, holds no DCP
+    cfg = load_config(H.RECIPES["mxfp8"], _overrides(
+        tmp_path, tmp_path / "data", f"checkpoint.resume={resume}", f"checkpoint.dir={path}",
+        "fsdp_config.dp_shard_size=1"))
+    message = _setup_error(cfg, counting_task)
+    assert "checkpoint.dir" in message and str(path) in message
