@@ -20,6 +20,7 @@ from te_npu import HiF8CurrentScalingRecipe, MXFP8BlockRecipe
 
 HIDDEN, TOPK, MOE_FF = 2048, 6, 1408
 RECIPES = {"MXFP8": MXFP8BlockRecipe(), "HiF8": HiF8CurrentScalingRecipe()}
+BASELINE_DTYPES = {"BF16": torch.bfloat16, "FP32": torch.float32}
 
 
 def saved_bytes(fn) -> int:
@@ -52,20 +53,26 @@ def timed(fn, dy, iters: int, device) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def bench(label, make_fn, dy, iters, device):
+def bench(label, make_module, x, dy, iters, device, baselines):
+    """Time ``baselines`` (high-precision dtypes) and both 8-bit recipes on the same inputs."""
     rows = []
-    for name in ["BF16", *RECIPES]:
+    for name in [*baselines, *RECIPES]:
         recipe = RECIPES.get(name)
+        dtype = BASELINE_DTYPES.get(name, torch.bfloat16)
+        module = make_module(dtype)
+        x_in = x.detach().to(dtype).requires_grad_()
+        dy_in = dy.to(dtype)
 
         def fn():
             with te_npu.autocast(enabled=recipe is not None, recipe=recipe):
-                return make_fn()
+                return module(x_in)
 
-        rows.append((name, timed(fn, dy, iters, device), saved_bytes(fn)))
-    base_t, base_b = rows[0][1], rows[0][2]
+        rows.append((name, timed(fn, dy_in, iters, device), saved_bytes(fn)))
+        del module
+    base = {name: (t, b) for name, t, b in rows if name in baselines}
     for name, t, b in rows:
-        print(f"{label:<40} {name:<6} fwd+bwd {t * 1e3:9.1f} ms  ({t / base_t:4.2f}x BF16)   "
-              f"saved {b / 2**20:8.1f} MiB ({b / base_b:4.2f}x BF16)", flush=True)
+        ratios = "  ".join(f"{t / base[k][0]:5.2f}x {k} time, {b / base[k][1]:4.2f}x {k} saved" for k in base)
+        print(f"{label:<44} {name:<6} fwd+bwd {t * 1e3:9.1f} ms  saved {b / 2**20:7.1f} MiB   {ratios}", flush=True)
     return rows
 
 
@@ -76,27 +83,49 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--skip-grouped", action="store_true")
+    parser.add_argument("--baselines", default="BF16,FP32",
+                        help="high-precision references, comma-separated from BF16,FP32 (on CPUs without bf16 "
+                             "GEMM units the BF16 GEMM is pathologically slow; FP32 is the fair CPU reference)")
     args = parser.parse_args()
+    baselines = [b for b in args.baselines.split(",") if b]
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
     t = args.tokens
-    print(f"device={device} tokens={t} threads={torch.get_num_threads()} backend=emulation (not an NPU kernel)")
+    print(f"device={device} tokens={t} threads={torch.get_num_threads()} backend=emulation (not an NPU kernel); "
+          "8-bit modules hold bf16 parameters, quantized once before timing")
     for n in (2048, 3136, 2816):
-        lin = te_npu.TELinear(HIDDEN, n, device=device)
-        x = torch.randn(t, HIDDEN, device=device, generator=gen).bfloat16().requires_grad_()
-        dy = torch.randn(t, n, device=device, generator=gen).bfloat16()
-        bench(f"TELinear {t}x{HIDDEN}->{n}", lambda: lin(x), dy, args.iters, device)
-        del lin, x, dy
+        weight = torch.randn(n, HIDDEN, device=device, generator=gen) / HIDDEN**0.5
+
+        def make_dense(dtype, weight=weight, n=n):
+            lin = te_npu.TELinear(HIDDEN, n, params_dtype=dtype, device=device)
+            with torch.no_grad():
+                lin.weight.copy_(weight)
+            return lin
+
+        x = torch.randn(t, HIDDEN, device=device, generator=gen)
+        dy = torch.randn(t, n, device=device, generator=gen)
+        bench(f"TELinear {t}x{HIDDEN}->{n}", make_dense, x, dy, args.iters, device, baselines)
     if args.skip_grouped:
         return
     rows = t * TOPK
-    experts = te_npu.TEGroupedLinear(args.experts, HIDDEN, 2 * MOE_FF, device=device)
     topk = torch.stack([torch.randperm(args.experts)[:TOPK] for _ in range(t)])
     m_splits = torch.bincount(topk.flatten(), minlength=args.experts).tolist()
-    x = torch.randn(rows, HIDDEN, device=device, generator=gen).bfloat16().requires_grad_()
-    dy = torch.randn(rows, 2 * MOE_FF, device=device, generator=gen).bfloat16()
-    bench(f"TEGroupedLinear E={args.experts} {rows}x{HIDDEN}->{2 * MOE_FF}", lambda: experts(x, m_splits), dy,
-          args.iters, device)
+    weight = torch.randn(args.experts, 2 * MOE_FF, HIDDEN, device=device, generator=gen) / HIDDEN**0.5
+
+    class Experts(torch.nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.inner = te_npu.TEGroupedLinear(args.experts, HIDDEN, 2 * MOE_FF, params_dtype=dtype, device=device)
+            with torch.no_grad():
+                self.inner.weight.copy_(weight)
+
+        def forward(self, x):
+            return self.inner(x, m_splits)
+
+    x = torch.randn(rows, HIDDEN, device=device, generator=gen)
+    dy = torch.randn(rows, 2 * MOE_FF, device=device, generator=gen)
+    bench(f"TEGroupedLinear E={args.experts} top-{TOPK} {rows}x{HIDDEN}->{2 * MOE_FF}", Experts, x, dy,
+          args.iters, device, baselines)
 
 
 if __name__ == "__main__":
