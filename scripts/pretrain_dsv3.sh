@@ -9,6 +9,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+if ! python3 -c "import torch, yaml, einops, numpy, matplotlib" 2>/dev/null; then
+  # Fresh machine: install the requirements (the CPU build of torch first, so pip does not pull
+  # a multi-GB CUDA build). On an A5 machine install torch / torch-npu yourself beforehand.
+  echo "pretrain_dsv3.sh: installing requirements: torch==2.13.0, then te_npu (pip install -e .)"
+  python3 -m pip install --quiet torch==2.13.0
+  python3 -m pip install --quiet -e .
+fi
+
 RECIPE="${RECIPE:-recipes/dsv3_tiny_mxfp8.yaml}"
 NPROC="${NPROC:-2}"
 NNODES="${NNODES:-1}"
