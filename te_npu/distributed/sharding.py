@@ -67,7 +67,7 @@ def validate_parallel_config(
     """Fail fast on what Q3 does not support: FSDP communication fusion and TP/CP/EP/PP > 1."""
     if comm_fusion:
         raise ConfigError(
-            "fsdp.comm_fusion: true is not supported with quantized-weight all-gather extensions; set it to false"
+            "fsdp_config.comm_fusion: true is not supported with quantized-weight all-gather extensions; set it to false"
         )
     sizes = {
         "tensor_parallel": tensor_parallel,
@@ -77,7 +77,7 @@ def validate_parallel_config(
     }
     for name, size in sizes.items():
         if size != 1:
-            raise ConfigError(f"parallel.{name}: {size} is not supported; only FSDP2 data parallelism (size 1) is")
+            raise ConfigError(f"parallel.{name}_size: {size} is not supported; only FSDP2 data parallelism (size 1) is")
 
 
 def shard_violation(fqn: str, param: torch.Tensor, world_size: int) -> str | None:
@@ -113,7 +113,7 @@ def plan_shards(
             replicated[fqn] = reason
     if replicated and not fallback_to_unsharded:
         raise ConfigError(
-            "shard constraints violated (set fallback_to_unsharded: true to keep these replicated):\n  "
+            "shard constraints violated (set fsdp_config.fallback_to_unsharded: true to keep these replicated):\n  "
             + "\n  ".join(replicated.values())
         )
     return ShardPlan(tuple(sharded), replicated)
