@@ -64,7 +64,7 @@ def _inverse_scale(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _e4m3_codes(y: torch.Tensor) -> torch.Tensor:
-    """Float32 ``float8_e4m3fn`` codes (exact integers 0..255) of ``y`` (|y| <= 448 or NaN).
+    """Float32 ``float8_e4m3fn`` codes (exact integers 0..255) of ``y``; |y| > 448 saturates to 448.
 
     Round-to-nearest-even like PyTorch's cast (inductor's CPU float8 cast is a scalar loop, so
     it is written out in float ops that vectorize): a 4-step binary search finds the E4M3
@@ -74,7 +74,7 @@ def _e4m3_codes(y: torch.Tensor) -> torch.Tensor:
     is copied with ``copysign`` (so -0.0 and negatives that round to zero give 0x80, as PyTorch's
     cast does). NaN (only in blocks with scale 0xFF) -> 0x7F, like eager ``mxfp8.quantize``.
     """
-    a = y.abs()
+    a = y.abs().clamp(max=E4M3_MAX)  # saturate here (NaN propagates): callers need not clamp y
     t = a
     base = torch.zeros_like(a)
     for k in (8, 4, 2, 1):
@@ -114,6 +114,39 @@ def _quantize_dual_impl(x: torch.Tensor, block_size: int, scale_alg: str):
     row_data, row_scale = _blocked(xc, xc.dim() - 1, block_size, scale_alg)
     col_data, col_scale = _blocked(xc, xc.dim() - 2, block_size, scale_alg)
     return row_data, row_scale, col_data, col_scale
+
+
+def _dual_views(xc: torch.Tensor, block_size: int):
+    """``xc: [..., N, K]`` -> row-blocked ``[..., N, K/bs, bs]`` and col-blocked ``[..., N/bs, bs, K]`` views."""
+    *lead, n, k = xc.shape
+    return (xc.reshape(*lead, n, k // block_size, block_size),
+            xc.reshape(*lead, n // block_size, block_size, k))
+
+
+def _dual_scales_impl(x: torch.Tensor, block_size: int, scale_alg: str):
+    """Stage 1 of the split dual quantizer: block amax (one reduction per orientation) and, on
+    the 32x smaller per-block tensors only, the E8M0 codes and inverse scales ``2**-e`` (fp32).
+
+    Returns ``(row_codes [..., N, K/bs], row_inv, col_codes [..., N/bs, K], col_inv)``; codes uint8.
+    """
+    xr, xcol = _dual_views(mxfp8._compute_dtype(x), block_size)
+    row_codes = _scale_codes(xr.abs().amax(dim=-1), scale_alg)
+    col_codes = _scale_codes(xcol.abs().amax(dim=-2), scale_alg)
+    return (row_codes.to(torch.uint8), _inverse_scale(row_codes, torch.float32),
+            col_codes.to(torch.uint8), _inverse_scale(col_codes, torch.float32))
+
+
+def _dual_apply_impl(x: torch.Tensor, row_inv: torch.Tensor, col_inv: torch.Tensor, block_size: int):
+    """Stage 2: elementwise ``x * 2**-e`` (scale broadcast over its block), saturating E4M3 codes --
+    float ops only (no int bit views), one pass over ``x`` for both orientations."""
+    shape = tuple(x.shape)
+    xr, xcol = _dual_views(mxfp8._compute_dtype(x), block_size)
+    y_row = (xr.to(torch.float32) * row_inv.unsqueeze(-1)).reshape(shape)
+    y_col = (xcol.to(torch.float32) * col_inv.unsqueeze(-2)).reshape(shape)
+    # no separate clamp: _e4m3_codes saturates |y| itself (one min instead of max + min)
+    row_data = _e4m3_codes(y_row).to(torch.uint8)
+    col_data = _e4m3_codes(y_col).to(torch.uint8)
+    return row_data, col_data
 
 
 # ----------------------------------------------------------------------------- HiF8 (traced)
@@ -169,7 +202,10 @@ def quantize_dual_compiled(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, sca
         raise ValueError(f"quantize_dual needs a [..., N, K] tensor, got shape {tuple(x.shape)}")
     mxfp8._check(x, -1, block_size, scale_alg)
     mxfp8._check(x, -2, block_size, scale_alg)
-    row_data, row_scale, col_data, col_scale = _compiled(_quantize_dual_impl)(x, block_size, scale_alg)
+    # Two graphs so each block scale is materialized once: fused into one graph, inductor
+    # recomputes the column scale inside the elementwise loop.
+    row_scale, row_inv, col_scale, col_inv = _compiled(_dual_scales_impl)(x, block_size, scale_alg)
+    row_data, col_data = _compiled(_dual_apply_impl)(x, row_inv, col_inv, block_size)
     return row_data.view(torch.float8_e4m3fn), row_scale, col_data.view(torch.float8_e4m3fn), col_scale
 
 

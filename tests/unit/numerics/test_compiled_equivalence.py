@@ -105,3 +105,19 @@ def test_compiled_hif8_quantize_and_current_scaling_equal_eager(gen):
     x3 = mixed_input((3, 32, 64), gen, torch.float32, specials=False)
     scales = hif8.current_scale(x3.abs().amax(dim=(1, 2)), 224.0)  # per-group [E] scale
     assert_bitwise_equal([compiled.hif8_quantize_compiled(x3, scales)], [hif8.quantize(x3, scales)])
+
+
+@pytest.mark.slow
+def test_compiled_mxfp8_dual_column_aligned_special_blocks(gen):
+    """Special blocks aligned to the column blocking (the split dual kernel computes row and
+    column scales in a separate graph from the elementwise pass): zero, tiny, Inf/NaN blocks."""
+    x = mixed_input((256, 256), gen, torch.float32, specials=False)
+    x[64:96, 32:64] = 0.0  # all-zero row and column blocks
+    x[128:160, :32] *= 2.0**-120  # tiny blocks: scale code 0, subnormal elements
+    x[200, :32] *= 2.0**-130
+    x[3, 5] = math.nan
+    x[40, 77] = math.inf
+    x[100, 200] = -math.inf
+    x[0, :8] = torch.tensor([0.0, -0.0, 1e-40, 448.0, 464.0, -480.0, 1.0625, -3e38])
+    xb = x.to(torch.bfloat16)
+    assert_bitwise_equal(compiled.quantize_dual_compiled(xb), mxfp8.quantize_dual(xb))
