@@ -109,13 +109,6 @@ def _quantize_impl(x: torch.Tensor, axis: int, block_size: int, scale_alg: str):
     return _blocked(mxfp8._compute_dtype(x), axis, block_size, scale_alg)
 
 
-def _quantize_dual_impl(x: torch.Tensor, block_size: int, scale_alg: str):
-    xc = mxfp8._compute_dtype(x)
-    row_data, row_scale = _blocked(xc, xc.dim() - 1, block_size, scale_alg)
-    col_data, col_scale = _blocked(xc, xc.dim() - 2, block_size, scale_alg)
-    return row_data, row_scale, col_data, col_scale
-
-
 def _dual_views(xc: torch.Tensor, block_size: int):
     """``xc: [..., N, K]`` -> row-blocked ``[..., N, K/bs, bs]`` and col-blocked ``[..., N/bs, bs, K]`` views."""
     *lead, n, k = xc.shape
