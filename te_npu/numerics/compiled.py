@@ -175,10 +175,23 @@ def _hif8_current_impl(x: torch.Tensor, format_max: float, saturate: bool, half_
 _COMPILED: dict = {}
 
 
+_RECOMPILE_LIMIT = 256
+"""Each (shape, dtype, option) is its own graph (``dynamic=False``); dynamo's default limit of 8
+graphs per code object is a hard error under ``fullgraph``, so calls raise it, scoped."""
+
+
 def _compiled(fn):
-    """``torch.compile(fn, fullgraph=True, dynamic=False)``, built once per function."""
+    """``torch.compile(fn, fullgraph=True, dynamic=False)``, built once per function; calling the
+    result runs it with dynamo's recompile limit raised to ``_RECOMPILE_LIMIT`` (scoped patch)."""
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+        def run(*args):
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
+                                            accumulated_recompile_limit=4 * _RECOMPILE_LIMIT):
+                return compiled(*args)
+
+        _COMPILED[fn] = run
     return _COMPILED[fn]
 
 
