@@ -16,9 +16,16 @@ to FP32 summation order):
   Enabling TF32 (``torch.backends.cuda.matmul.allow_tf32``) would make FP32 paths inexact.
 HiF8 scales multiply the FP32 product: ``(P * left.scale) * right.scale``.
 
+Quantization runs ``te_npu.numerics`` (eager torch). For CPU tensors,
+``TE_NPU_CPU_QUANT_KERNEL=native`` routes MXFP8 row / col / dual quantization (not the ragged
+grouped col) to the bit-identical C++ kernel of ``te_npu.numerics.native_cpu``; if that kernel
+cannot be built, quantization raises ``NativeKernelUnavailable`` rather than running eager.
+
 Legend: T tokens (rows of a grouped operand), G groups, M/N/K GEMM dims.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -156,11 +163,33 @@ def grouped_matmul(
 
 
 # ---------------------------------------------------------------- quantization
+CPU_QUANT_KERNEL_ENV = "TE_NPU_CPU_QUANT_KERNEL"
+_CPU_QUANT_KERNELS = ("eager", "native")
+
+
+def _native_cpu_kernel(x: torch.Tensor, block_size: int):
+    """``te_npu.numerics.native_cpu`` when the environment asks for it and it applies to ``x``."""
+    choice = os.environ.get(CPU_QUANT_KERNEL_ENV, "eager")
+    if choice not in _CPU_QUANT_KERNELS:
+        raise ValueError(f"{CPU_QUANT_KERNEL_ENV}={choice!r}: expected one of {_CPU_QUANT_KERNELS}")
+    if choice != "native" or x.device.type != "cpu" or block_size != MX_BLOCK_SIZE or x.dim() < 2:
+        return None
+    from te_npu.numerics import native_cpu  # imported only when asked for
+
+    return native_cpu
+
+
 def mxfp8_quantize(x: torch.Tensor, axis: int, block_size: int, scale_alg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    native = _native_cpu_kernel(x, block_size)
+    if native is not None and axis % x.dim() >= x.dim() - 2:
+        return native.quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
     return mxfp8.quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
 
 
 def mxfp8_quantize_dual(w: torch.Tensor, block_size: int, scale_alg: str):
+    native = _native_cpu_kernel(w, block_size)
+    if native is not None:
+        return native.quantize_dual(w, block_size, scale_alg)
     return mxfp8.quantize_dual(w, block_size, scale_alg)
 
 
