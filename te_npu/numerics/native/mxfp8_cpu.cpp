@@ -211,27 +211,37 @@ void quantize_tiles(const typename In::T* x, int64_t rows, int64_t cols, bool ce
       }
       for (int64_t r = 0; r < nr; ++r) {
         const T* src = x + (r0 + r) * n_cols;
-        if (kRow) {
-          uint8_t* dst = row_data + (r0 + r) * n_cols;
-          const uint8_t* codes = row_codes + r * col_blocks;
-          bool done = false;
-          if constexpr (kBf16) {
-            bool fast = true;
+        uint8_t* row_dst = kRow ? row_data + (r0 + r) * n_cols : nullptr;
+        uint8_t* col_dst = kCol ? col_data + (r0 + r) * n_cols : nullptr;
+        bool row_done = false, col_done = false;
+        if constexpr (kBf16) {
+          bool row_fast = kRow;
+          if (kRow) {
+            const uint8_t* codes = row_codes + r * col_blocks;
             for (int64_t kb = 0; kb < col_blocks; ++kb) {
               const uint16_t es = exponent_shift(codes[kb]);
-              fast = fast && codes[kb] >= kMinFastCode;
+              row_fast = row_fast && codes[kb] >= kMinFastCode;
               for (int j = 0; j < kBlock; ++j) row_es[kb * kBlock + j] = es;
             }
-            done = fast && encode_row_bf16(src, row_es.data(), dst, n_cols);
           }
-          if (!done) encode_row_blocks<In>(src, row_inv.data() + r * col_blocks, dst, n_cols);
+          if (kRow && kCol) {  // one load of x for both orientations
+            const uint16_t* res = row_es.data();
+            const uint16_t* ces = col_es.data();
+            uint16_t row_slow = 0, col_slow = 0;
+            for (int64_t k = 0; k < n_cols; ++k) {
+              row_dst[k] = encode_e4m3_bf16(src[k], res[k], row_slow);
+              col_dst[k] = encode_e4m3_bf16(src[k], ces[k], col_slow);
+            }
+            row_done = row_fast && row_slow == 0;
+            col_done = col_fast && col_slow == 0;
+          } else if (kRow) {
+            row_done = row_fast && encode_row_bf16(src, row_es.data(), row_dst, n_cols);
+          } else {
+            col_done = col_fast && encode_row_bf16(src, col_es.data(), col_dst, n_cols);
+          }
         }
-        if (kCol) {
-          uint8_t* dst = col_data + (r0 + r) * n_cols;
-          bool done = false;
-          if constexpr (kBf16) done = col_fast && encode_row_bf16(src, col_es.data(), dst, n_cols);
-          if (!done) encode_row<In>(src, col_inv.data(), dst, n_cols);
-        }
+        if (kRow && !row_done) encode_row_blocks<In>(src, row_inv.data() + r * col_blocks, row_dst, n_cols);
+        if (kCol && !col_done) encode_row<In>(src, col_inv.data(), col_dst, n_cols);
       }
       // pass 3: blocks holding NaN/Inf (scale 0xFF) are all NaN codes, as in mxfp8.quantize
       if (kRow) {
