@@ -146,6 +146,10 @@ class MasterWeightOptimizer:
     full weight}`` for every quantized parameter (from ``finalize_low_precision_weights``);
     max_grad_norm: clip by global norm when given. ``refresh_counts[fqn]`` counts refreshes;
     ``add_refresh_hook(fn)`` calls ``fn(fqn)`` on each one.
+
+    Weight decay, as in Megatron-LM, applies to matrices only: parameters with fewer than two
+    (logical) dims -- biases, norm weights -- are in a second param group with decay 0.
+    ``no_decay`` lists their FQNs.
     """
 
     def __init__(
@@ -167,8 +171,13 @@ class MasterWeightOptimizer:
         self.masters: dict[str, torch.Tensor] = {
             fqn: _make_master(fqn, p, initial_weights.get(fqn)) for fqn, p in self.params.items()
         }
+        self.no_decay: tuple[str, ...] = tuple(fqn for fqn, p in self.params.items() if p.dim() < 2)
+        groups = [
+            {"params": [m for fqn, m in self.masters.items() if fqn not in self.no_decay], "weight_decay": weight_decay},
+            {"params": [self.masters[fqn] for fqn in self.no_decay], "weight_decay": 0.0},
+        ]
         self.optimizer = torch.optim.AdamW(
-            list(self.masters.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+            [g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, foreach=False
         )
         for master in self.masters.values():  # eager state: DCP loads into existing tensors
             self.optimizer.state[master].update(

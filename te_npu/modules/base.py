@@ -109,11 +109,21 @@ class TEModule(nn.Module):
             self._weight_caches[name].clear()
 
     def _finish_init(self) -> None:
-        """Constructor tail: quantize the weights when built inside ``quantized_model_init``
-        (a meta-device module is left high precision: quantize it after materializing)."""
+        """Constructor tail: quantize the weights when built inside ``quantized_model_init``.
+
+        A meta-device module has no values to quantize; rather than leave it silently high
+        precision, this raises (build on meta outside ``quantized_model_init``, materialize,
+        then call ``te_npu.quantize_weights_``)."""
         recipe = get_quantized_init_recipe()
-        if recipe is not None and not self._device().type == "meta":
-            self._quantize_weights_(recipe)
+        if recipe is None:
+            return
+        if self._device().type == "meta":
+            raise ValueError(
+                f"{type(self).__name__} built on the meta device inside te_npu.quantized_model_init: meta "
+                "weights hold no values to quantize. Build the model on meta outside quantized_model_init, "
+                "materialize and initialise it, then call te_npu.quantize_weights_(model, recipe)"
+            )
+        self._quantize_weights_(recipe)
 
     def _apply(self, fn, recurse: bool = True):
         for cache in self._weight_caches.values():

@@ -118,3 +118,19 @@ def test_optimizer_requires_high_precision_init_for_quantized_params():
     model, _ = build("mxfp8")
     with pytest.raises(ValueError, match="up.weight"):
         MasterWeightOptimizer(model, {})
+
+
+def test_weight_decay_shrinks_matrices_but_not_norms_or_biases():
+    model, init = build("mxfp8")
+    opt = MasterWeightOptimizer(model, init, lr=1e-2, weight_decay=0.5)
+    one_dim = sorted(fqn for fqn, p in model.named_parameters() if p.dim() < 2)
+    assert "norm" in one_dim and sorted(opt.no_decay) == one_dim
+    before = {fqn: m.clone() for fqn, m in opt.masters.items()}
+    for p in model.parameters():  # zero gradients: AdamW's update is 0, only decay moves weights
+        p.grad = torch.zeros(p.shape, dtype=p.dtype)  # logical shape/dtype (quantized weights too)
+    assert opt.step().updated
+    for fqn, master in opt.masters.items():
+        if fqn in opt.no_decay:
+            assert torch.equal(master, before[fqn]), fqn
+        else:
+            assert torch.equal(master, before[fqn] * (1 - 1e-2 * 0.5)), fqn

@@ -195,3 +195,19 @@ def test_te_modules_run_npu_backend_through_fake(recipe, rand, monkeypatch):
     assert len(fake.calls_of("npu_quant_matmul")) == 3 and len(fake.calls_of("npu_grouped_matmul")) == 3
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_meta_module_inside_quantized_model_init_raises_instead_of_staying_high_precision(recipe):
+    with te_npu.quantized_model_init(recipe=recipe), torch.device("meta"):
+        with pytest.raises(ValueError, match="TELinear built on the meta device inside te_npu.quantized_model_init"):
+            te_npu.TELinear(64, 96)
+        with pytest.raises(ValueError, match="TEGroupedLinear built on the meta device"):
+            te_npu.TEGroupedLinear(4, 64, 96)
+    # the supported route: meta build outside, materialize, then convert
+    with torch.device("meta"):
+        layer = te_npu.TELinear(64, 96)
+    layer = layer.to_empty(device="cpu")
+    torch.nn.init.normal_(layer.weight)
+    te_npu.quantize_weights_(layer, recipe)
+    assert isinstance(layer.weight, QuantizedWeightTensor)
