@@ -50,5 +50,5 @@ class HiF8Quantizer:
 
     def quantize_with_scale(self, tensor: torch.Tensor, scale: torch.Tensor) -> QuantizedOperand:
         """Quantize with a given FP32 scale (e.g. one agreed on across FSDP ranks)."""
-        codes = ops.hif8_quantize_with_scale(tensor, scale, orientation="row")
+        codes = ops.hif8_quantize_with_scale(tensor, scale, orientation="row", format_max=self.format_max)
         return QuantizedOperand(codes, scale, tensor.dtype, self.format, "row")

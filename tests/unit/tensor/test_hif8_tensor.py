@@ -99,3 +99,19 @@ def test_hif8_tensor_grouped_split_moves_scale_with_experts(make_weight):
     assert torch.equal(torch.cat([c.scale for c in chunks]), t.scale)
     assert torch.equal(torch.cat([c.qdata for c in chunks]), t.qdata)
     assert [list(c.scale.shape) for c in chunks] == [[2], [2]]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hif8_refresh_with_given_scale_reports_local_amax_and_format_max(make_weight, shape):
+    from te_npu.ops import QuantEvent, observe
+
+    t = HiF8Tensor.from_high_precision(make_weight(*shape))
+    master = make_weight(*shape, dtype=torch.float32)
+    scale = torch.full(t.scale.shape, 7.5)
+    events = []
+    with observe(events.append):
+        t.refresh_from_master(master, scale=scale)
+    (event,) = [e for e in events if isinstance(e, QuantEvent)]
+    assert event.format == Format.HIF8.value and event.shape == shape
+    assert event.format_max == HIF8_INPUT_MAX
+    assert torch.equal(event.amax, _amax(master)) and torch.equal(event.scale, scale)
