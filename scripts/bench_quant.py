@@ -7,7 +7,7 @@ and the native build happen there, untimed):
 
 * ``eager``: ``te_npu.numerics.{mxfp8,hif8}``, the reference (and the library default);
 * ``compile``: ``te_npu.numerics.compiled`` (torch.compile, fullgraph, static shapes);
-* ``native`` (CPU only): ``te_npu.numerics.native_cpu``, the hand-written C++ kernel (MXFP8).
+* ``native`` (CPU only): ``te_npu.numerics.native_cpu``, the hand-written C++ kernels.
   "mxfp8 dual -> out" writes into preallocated outputs, as the copy baseline does (and as
   ``MXFP8Tensor.refresh_from_master`` re-quantizes a weight into its own storage); the other rows
   allocate fresh outputs, whose first-touch page faults the copy baseline does not pay.
@@ -116,6 +116,8 @@ def main() -> None:
         ("mxfp8 dual", "native", native_cpu.quantize_dual, mxfp8.quantize_dual, dual_bytes),
         ("mxfp8 dual -> out", "native", lambda t: native_cpu.quantize_dual(t, out=out), mxfp8.quantize_dual,
          dual_bytes),
+        ("hif8 amax+scale+quantize", "native", lambda t: native_cpu.hif8_current_quantize(t, HIF8_INPUT_MAX),
+         hif8_eager, in_bytes + n + 4),
     ]
 
     copy_s = median_seconds(lambda: dst.copy_(x), args.device, args.warmup, args.repeats)

@@ -1,10 +1,11 @@
-"""Hand-written CPU kernel for MXFP8 quantization (both orientations in one pass), bit-identical
-to :mod:`te_npu.numerics.mxfp8`, which stays the reference and the default everywhere.
+"""Hand-written CPU kernels for MXFP8 quantization (both orientations in one pass) and HiF8
+current scaling (amax, scale and codes), bit-identical to :mod:`te_npu.numerics.mxfp8` /
+:mod:`te_npu.numerics.hif8`, which stay the reference and the default everywhere.
 
-The kernel (``native/mxfp8_cpu.cpp``) is C++ built on first use with
+The kernels (``native/{mxfp8_cpu,hif8_cpu,bindings}.cpp``) are C++ built on first use with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja, as ``torch.compile`` on CPU
 needs a compiler) and cached by torch under ``~/.cache/torch_extensions``; the first build takes
-about 40 s on 2 cores. Build flags follow the CPU capability PyTorch detected (AVX2 / AVX-512 /
+about a minute on 2 cores. Build flags follow the CPU capability PyTorch detected (AVX2 / AVX-512 /
 portable), and the capability is part of the extension name so caches never mix them.
 
 Nothing here falls back silently: if the kernel cannot be built, :func:`quantize_dual` and
@@ -24,9 +25,9 @@ import torch
 from te_npu.numerics import mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
 
-__all__ = ["NativeKernelUnavailable", "is_available", "quantize", "quantize_dual"]
+__all__ = ["NativeKernelUnavailable", "hif8_current_quantize", "is_available", "quantize", "quantize_dual"]
 
-_SOURCE = Path(__file__).with_name("native") / "mxfp8_cpu.cpp"
+_SOURCES = [Path(__file__).with_name("native") / name for name in ("mxfp8_cpu.cpp", "hif8_cpu.cpp", "bindings.cpp")]
 _ARCH_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> compiler flags
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -50,8 +51,8 @@ def _load():
         from torch.utils.cpp_extension import load
 
         module = load(
-            name=f"te_npu_mxfp8_cpu_{capability.lower()}",
-            sources=[str(_SOURCE)],
+            name=f"te_npu_native_cpu_{capability.lower()}",
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", *flags, *_OPENMP],
             extra_ldflags=_OPENMP,
             verbose=False,
@@ -70,14 +71,16 @@ def is_available(return_reason: bool = False):
 def _module():
     module, reason = _load()
     if module is None:
-        raise NativeKernelUnavailable(f"te_npu native MXFP8 CPU kernel unavailable: {reason}")
+        raise NativeKernelUnavailable(f"te_npu native CPU kernels unavailable: {reason}")
     return module
 
 
 def _as_kernel_input(x: torch.Tensor) -> torch.Tensor:
     """bf16 / fp32 stay as they are (made contiguous); other floats widen to fp32, as eager does."""
     if x.device.type != "cpu":
-        raise ValueError(f"native MXFP8 kernel runs on CPU tensors, got device {x.device}")
+        raise ValueError(f"native kernels run on CPU tensors, got device {x.device}")
+    if not x.is_floating_point():
+        raise TypeError(f"native kernels quantize float tensors, got {x.dtype}")
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.to(torch.float32)
     return x.contiguous()
@@ -144,3 +147,28 @@ def _flat_view(t: torch.Tensor, shape, name: str) -> torch.Tensor:
     if t.dtype not in (torch.uint8, torch.float8_e4m3fn):
         raise ValueError(f"native MXFP8 out {name}: dtype must be uint8 or float8_e4m3fn, got {t.dtype}")
     return t.view(torch.uint8).view(shape)
+
+
+def hif8_current_quantize(x: torch.Tensor, format_max: float, *, per_group: bool = False, saturate: bool = False):
+    """Native HiF8 current scaling, bitwise equal to ``amax -> hif8.current_scale -> hif8.quantize``.
+
+    Args:
+        x: float CPU tensor; with ``per_group`` a 3D ``[E, ...]`` weight gets one scale per expert.
+        format_max: the scaled amax target (15.0 inputs/weights, 224.0 gradients).
+    Returns:
+        ``(codes uint8 like x, scale fp32 [] or [E], amax fp32 [] or [E])``; scale is
+        ``amax / format_max``, or 1.0 where amax is zero or not finite.
+    """
+    groups = x.shape[0] if per_group else 1
+    if per_group and x.dim() != 3:
+        raise ValueError(f"per-group HiF8 scales need a 3D [E, N, K] tensor, got shape {tuple(x.shape)}")
+    flat = _as_kernel_input(x)
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    amax = torch.empty(groups, dtype=torch.float32)
+    scale = torch.empty(groups, dtype=torch.float32)
+    if x.numel() == 0:
+        raise ValueError(f"HiF8 current scaling of an empty tensor {tuple(x.shape)}: no amax")
+    _module().hif8_quantize_into(flat, groups, float(format_max), bool(saturate), codes, amax, scale)
+    if not per_group:
+        amax, scale = amax.reshape(()), scale.reshape(())
+    return codes, scale, amax

@@ -16,10 +16,9 @@ to FP32 summation order):
   Enabling TF32 (``torch.backends.cuda.matmul.allow_tf32``) would make FP32 paths inexact.
 HiF8 scales multiply the FP32 product: ``(P * left.scale) * right.scale``.
 
-Quantization runs ``te_npu.numerics`` (eager torch). For CPU tensors,
-``TE_NPU_CPU_QUANT_KERNEL=native`` routes MXFP8 row / col / dual quantization (not the ragged
-grouped col) to the bit-identical C++ kernel of ``te_npu.numerics.native_cpu``; if that kernel
-cannot be built, quantization raises ``NativeKernelUnavailable`` rather than running eager.
+Quantization runs ``te_npu.numerics`` (eager torch) unless ``TE_NPU_QUANT_KERNEL`` picks one of
+the bit-identical faster kernels (see :func:`quant_kernel`); a picked kernel that cannot be built
+raises rather than running eager.
 
 Legend: T tokens (rows of a grouped operand), G groups, M/N/K GEMM dims.
 """
@@ -163,33 +162,48 @@ def grouped_matmul(
 
 
 # ---------------------------------------------------------------- quantization
-CPU_QUANT_KERNEL_ENV = "TE_NPU_CPU_QUANT_KERNEL"
-_CPU_QUANT_KERNELS = ("eager", "native")
+QUANT_KERNEL_ENV = "TE_NPU_QUANT_KERNEL"
+QUANT_KERNELS = ("eager", "compiled", "native")
 
 
-def _native_cpu_kernel(x: torch.Tensor, block_size: int):
-    """``te_npu.numerics.native_cpu`` when the environment asks for it and it applies to ``x``."""
-    choice = os.environ.get(CPU_QUANT_KERNEL_ENV, "eager")
-    if choice not in _CPU_QUANT_KERNELS:
-        raise ValueError(f"{CPU_QUANT_KERNEL_ENV}={choice!r}: expected one of {_CPU_QUANT_KERNELS}")
-    if choice != "native" or x.device.type != "cpu" or block_size != MX_BLOCK_SIZE or x.dim() < 2:
-        return None
-    from te_npu.numerics import native_cpu  # imported only when asked for
-
-    return native_cpu
+def quant_kernel(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> str:
+    """Which bit-identical quantization kernel runs for ``x``, from ``TE_NPU_QUANT_KERNEL``:
+    ``eager`` (default, the reference), ``compiled`` (``te_npu.numerics.compiled``:
+    torch.compile, CPU or CUDA; each new shape compiles once), or ``native``
+    (``te_npu.numerics.native_cpu``, CPU tensors: MXFP8 row / col / dual and HiF8 current
+    scaling; HiF8 with a given scale stays eager). The ragged grouped col quantization is always
+    eager. A kernel that cannot be built raises."""
+    choice = os.environ.get(QUANT_KERNEL_ENV, "eager")
+    if choice not in QUANT_KERNELS:
+        raise ValueError(f"{QUANT_KERNEL_ENV}={choice!r}: expected one of {QUANT_KERNELS}")
+    if choice == "native" and (x.device.type != "cpu" or block_size != MX_BLOCK_SIZE):
+        return "eager"
+    return choice
 
 
 def mxfp8_quantize(x: torch.Tensor, axis: int, block_size: int, scale_alg: str) -> tuple[torch.Tensor, torch.Tensor]:
-    native = _native_cpu_kernel(x, block_size)
-    if native is not None and axis % x.dim() >= x.dim() - 2:
-        return native.quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
+    kernel = quant_kernel(x, block_size)
+    if kernel == "compiled":
+        from te_npu.numerics import compiled
+
+        return compiled.quantize_compiled(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
+    if kernel == "native" and x.dim() >= 2 and axis % x.dim() >= x.dim() - 2:
+        from te_npu.numerics import native_cpu
+
+        return native_cpu.quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
     return mxfp8.quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
 
 
 def mxfp8_quantize_dual(w: torch.Tensor, block_size: int, scale_alg: str):
-    native = _native_cpu_kernel(w, block_size)
-    if native is not None:
-        return native.quantize_dual(w, block_size, scale_alg)
+    kernel = quant_kernel(w, block_size)
+    if kernel == "compiled":
+        from te_npu.numerics import compiled
+
+        return compiled.quantize_dual_compiled(w, block_size, scale_alg)
+    if kernel == "native":
+        from te_npu.numerics import native_cpu
+
+        return native_cpu.quantize_dual(w, block_size, scale_alg)
     return mxfp8.quantize_dual(w, block_size, scale_alg)
 
 
@@ -205,10 +219,18 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 def hif8_quantize(x: torch.Tensor, format_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Current scaling: returns (codes uint8, scale fp32 [] or [E], amax)."""
+    if quant_kernel(x) == "native" and x.numel() > 0:
+        from te_npu.numerics import native_cpu
+
+        return native_cpu.hif8_current_quantize(x, format_max, per_group=x.dim() == 3)
     current_amax = amax(x)
     scale = hif8.current_scale(current_amax, format_max)
-    return hif8.quantize(x, scale), scale, current_amax
+    return hif8_quantize_with_scale(x, scale), scale, current_amax
 
 
 def hif8_quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if quant_kernel(x) == "compiled":
+        from te_npu.numerics import compiled
+
+        return compiled.hif8_quantize_compiled(x, scale)
     return hif8.quantize(x, scale)

@@ -4,8 +4,9 @@
 //
 // Plain loops written so the compiler vectorizes them (no intrinsics, no branches in inner
 // loops). Never build with -ffast-math: encode_e4m3 relies on IEEE round-to-nearest-even adds.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <sys/mman.h>
 #endif
 
+namespace te_npu_native {
 namespace {
 
 constexpr int kBlock = 32;                         // MX block size
@@ -291,6 +293,8 @@ void check_output(const at::Tensor& t, int64_t rows, int64_t cols, const char* n
               "], got ", t.sizes(), " ", t.scalar_type());
 }
 
+}  // namespace
+
 // Writes MXFP8 codes of x: [R, K] (contiguous bf16/fp32, CPU) into preallocated uint8 outputs:
 // row_data [R, K] + row_scale [R, K/32] (blocks along K) and/or col_data [R, K] + col_scale
 // [R/32, K] (blocks along R). An orientation whose data tensor is empty (numel 0) is skipped.
@@ -321,8 +325,4 @@ void quantize_into(const at::Tensor& x, bool ceil_alg, const at::Tensor& row_dat
   else dispatch<F32In>(x, ceil_alg, rd, rs, cd, cs);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_into", &quantize_into, "MXFP8 row/column quantization of a 2D CPU tensor into uint8 outputs");
-}
+}  // namespace te_npu_native

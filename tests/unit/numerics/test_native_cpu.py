@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from te_npu.numerics import mxfp8, native_cpu
+from te_npu.numerics import hif8, mxfp8, native_cpu
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -161,38 +161,45 @@ def test_env_switch_routes_emulation_quantization_to_the_native_kernel(monkeypat
     ops.mxfp8_quantize_dual(x)
     ops.mxfp8_quantize(x, axis=-2)
     assert calls == []  # default: eager
-    monkeypatch.setenv(emulation.CPU_QUANT_KERNEL_ENV, "native")
+    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
     ops.mxfp8_quantize_dual(x)
     ops.mxfp8_quantize(x, axis=-1)
     ops.mxfp8_quantize(x.reshape(64, 2, 32), axis=0)  # a leading axis: eager
     assert calls == ["dual", "one"]
 
 
-def test_linear_step_under_native_kernel_matches_eager_bitwise(monkeypatch, gen):
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "hif8"])
+def test_linear_and_grouped_expert_steps_under_native_kernels_match_eager_bitwise(monkeypatch, gen, recipe_name):
     import te_npu
     from te_npu.ops import emulation
 
+    recipe = te_npu.MXFP8BlockRecipe() if recipe_name == "mxfp8" else te_npu.HiF8CurrentScalingRecipe()
     x = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
-    eager_layer = te_npu.TELinear(128, 96, params_dtype=torch.bfloat16)
-    native_layer = te_npu.TELinear(128, 96, params_dtype=torch.bfloat16)
-    native_layer.load_state_dict(eager_layer.state_dict())
 
-    def step(layer):
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"lin": te_npu.TELinear(128, 96, params_dtype=torch.bfloat16),
+                                    "experts": te_npu.TEGroupedSwiGLUExperts(4, 128, 64, params_dtype=torch.bfloat16)})
+
+    def step(model):
         inp = x.clone().requires_grad_(True)
-        with te_npu.autocast(recipe=te_npu.MXFP8BlockRecipe()):
-            out = layer(inp)
-        out.float().square().sum().backward()
-        return out.detach(), inp.grad, layer.weight.grad
+        with te_npu.autocast(recipe=recipe):
+            out = model["lin"](inp).float().square().sum() + model["experts"](inp, [40, 0, 7, 17]).float().square().sum()
+        out.backward()
+        return [out.detach(), inp.grad] + [p.grad for p in model.parameters()]
 
-    eager = step(eager_layer)
+    eager = step(build())
     calls = []
-    for name in ("quantize", "quantize_dual"):
+    for name in ("quantize", "quantize_dual", "hif8_current_quantize"):
         original = getattr(native_cpu, name)
         monkeypatch.setattr(native_cpu, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    monkeypatch.setenv(emulation.CPU_QUANT_KERNEL_ENV, "native")
-    native = step(native_layer)
-    assert calls == ["quantize_dual"] * 3  # weight, input and output gradient: row + col each
-    for a, b in zip(eager, native):
+    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
+    native = step(build())
+    # MXFP8: dual for dense operands and weights, row-only for grouped activations (their ragged
+    # col blocks stay eager); HiF8: one current-scaled payload per tensor
+    expected = {"quantize_dual", "quantize"} if recipe_name == "mxfp8" else {"hif8_current_quantize"}
+    assert set(calls) == expected and len(calls) >= 3, calls
+    for a, b in zip(eager, native, strict=True):
         assert torch.equal(a, b)
 
 
@@ -200,6 +207,74 @@ def test_unknown_env_value_is_refused_naming_the_variable(monkeypatch):
     from te_npu import ops
     from te_npu.ops import emulation
 
-    monkeypatch.setenv(emulation.CPU_QUANT_KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match="TE_NPU_CPU_QUANT_KERNEL='fast'"):
+    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="TE_NPU_QUANT_KERNEL='fast'"):
         ops.mxfp8_quantize_dual(torch.zeros(64, 64))
+
+
+# ----------------------------------------------------------------------------- HiF8
+def _eager_hif8(x: torch.Tensor, format_max: float, per_group: bool = False, saturate: bool = False):
+    magnitude = x.abs().float()
+    amax = magnitude.amax(dim=tuple(range(1, x.dim()))) if per_group else magnitude.amax()
+    scale = hif8.current_scale(amax, format_max)
+    return hif8.quantize(x, scale, saturate), scale, amax
+
+
+def assert_same_hif8(got, want):
+    codes, scale, amax = got
+    want_codes, want_scale, want_amax = want
+    assert torch.equal(scale, want_scale) and scale.shape == want_scale.shape
+    assert torch.equal(amax, want_amax) or (amax.isnan().all() and want_amax.isnan().all())
+    assert_same((codes,), (want_codes,))
+
+
+def _fp32_sweep() -> torch.Tensor:
+    """Every exponent field and sign x the top 12 mantissa bits x low bits {0, 1, all ones}: every
+    rounding boundary of every band (ties, one ulp above, one ulp below), Inf and NaN included."""
+    field = torch.arange(256, dtype=torch.int64).view(-1, 1, 1, 1)
+    sign = torch.tensor([0, 1], dtype=torch.int64).view(1, -1, 1, 1) << 31
+    top = torch.arange(1 << 12, dtype=torch.int64).view(1, 1, -1, 1) << 11
+    low = torch.tensor([0, 1, (1 << 11) - 1], dtype=torch.int64).view(1, 1, 1, -1)
+    bits = (sign | (field << 23) | top | low).flatten()
+    return bits.to(torch.int32).view(torch.float32)  # int64 -> int32 wraps the sign bit in
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+def test_hif8_every_rounding_boundary_of_every_band_matches_eager(saturate):
+    x = _fp32_sweep()
+    finite_max = x[torch.isfinite(x)].abs().max()
+    # format_max = the amax itself makes the scale exactly 1.0: the codes are hif8.encode(x)
+    x = x[~x.isnan()]  # a NaN amax would force scale 1.0 anyway; keep the amax finite ...
+    x = x[torch.isfinite(x)]
+    codes, scale, amax = native_cpu.hif8_current_quantize(x, float(finite_max), saturate=saturate)
+    assert scale.item() == 1.0
+    assert_same((codes,), (hif8.encode(x, saturate),))
+    # ... and Inf / NaN elements, with scale 1.0 (amax not finite), in a second call
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan"), 0.0, -0.0, 1.0])
+    assert_same_hif8(native_cpu.hif8_current_quantize(special, 15.0, saturate=saturate),
+                     _eager_hif8(special, 15.0, saturate=saturate))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("format_max", [15.0, 224.0])
+def test_hif8_current_scaling_matches_eager(dtype, format_max, gen):
+    x = _special_tensor((96, 160), torch.float32, gen)
+    x = x[torch.isfinite(x).all(dim=1)].to(dtype)  # finite rows: a real amax
+    assert_same_hif8(native_cpu.hif8_current_quantize(x, format_max), _eager_hif8(x, format_max))
+    x[3, 5] = float("nan")
+    assert_same_hif8(native_cpu.hif8_current_quantize(x, format_max), _eager_hif8(x, format_max))
+
+
+def test_hif8_per_expert_scales_match_eager(gen):
+    x = torch.randn(4, 64, 96, generator=gen) * torch.tensor([1e-3, 1.0, 1e3, 0.0]).view(4, 1, 1)
+    x = x.to(torch.bfloat16)
+    assert_same_hif8(native_cpu.hif8_current_quantize(x, 15.0, per_group=True),
+                     _eager_hif8(x, 15.0, per_group=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float32, (16, 40), elements=st.floats(width=32, allow_nan=False, allow_infinity=False)),
+       st.sampled_from([15.0, 224.0]))
+def test_hif8_any_finite_fp32_tensor_matches_eager(arr, format_max):
+    x = torch.from_numpy(arr.copy())
+    assert_same_hif8(native_cpu.hif8_current_quantize(x, format_max), _eager_hif8(x, format_max))
