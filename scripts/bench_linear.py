@@ -7,10 +7,15 @@ with ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's bytes (f
 payloads included), each storage once (the weight is referenced, not counted twice).
 
     python scripts/bench_linear.py [--tokens 4096] [--experts 64] [--device cpu|cuda] [--iters 3]
+        [--quant-kernel eager|compiled|native]
+
+``--quant-kernel`` sets ``TE_NPU_QUANT_KERNEL`` (bit-identical quantization kernels of the emulation
+backend: eager torch, torch.compile, or the C++ CPU kernels); the default keeps the environment's.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -86,12 +91,16 @@ def main() -> None:
     parser.add_argument("--baselines", default="BF16,FP32",
                         help="high-precision references, comma-separated from BF16,FP32 (on CPUs without bf16 "
                              "GEMM units the BF16 GEMM is pathologically slow; FP32 is the fair CPU reference)")
+    parser.add_argument("--quant-kernel", choices=["eager", "compiled", "native"], default=None)
     args = parser.parse_args()
+    if args.quant_kernel:
+        os.environ["TE_NPU_QUANT_KERNEL"] = args.quant_kernel
     baselines = [b for b in args.baselines.split(",") if b]
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
     t = args.tokens
-    print(f"device={device} tokens={t} threads={torch.get_num_threads()} backend=emulation (not an NPU kernel); "
+    print(f"device={device} tokens={t} threads={torch.get_num_threads()} backend=emulation (not an NPU kernel) "
+          f"quant_kernel={os.environ.get('TE_NPU_QUANT_KERNEL', 'eager')}; "
           "8-bit modules hold bf16 parameters, quantized once before timing")
     for n in (2048, 3136, 2816):
         weight = torch.randn(n, HIDDEN, device=device, generator=gen) / HIDDEN**0.5

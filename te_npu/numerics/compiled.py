@@ -171,6 +171,26 @@ def _hif8_current_impl(x: torch.Tensor, format_max: float, saturate: bool, half_
     return _hif8_quantize_impl(x, scale, saturate, half_t, keep_t, packed_t), scale
 
 
+# ----------------------------------------------------------------------------- decode (traced)
+def _e8m0_value(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 codes -> float32 ``2**(code - 127)`` (code 0: the subnormal 2**-127; 0xFF: NaN)."""
+    c = codes.to(torch.int32)
+    bits = torch.where(c == 0, _SUBNORMAL_2_POW_M127, c << FP32_MANTISSA_BITS)
+    return torch.where(c == E8M0_NAN, FP32_NAN_BITS, bits).view(torch.float32)
+
+
+def _mxfp8_decode_impl(data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype):
+    """E4M3 values times their block's scale, in fp32 (exact), then cast to ``dtype``."""
+    shape = tuple(data.shape)
+    blocked = shape[:axis] + (shape[axis] // block_size, block_size) + shape[axis + 1:]
+    values = data.view(torch.float8_e4m3fn).to(torch.float32).reshape(blocked)
+    return (values * _e8m0_value(scale).unsqueeze(axis + 1)).reshape(shape).to(dtype)
+
+
+def _hif8_decode_impl(codes: torch.Tensor, table: torch.Tensor, dtype: torch.dtype):
+    return table[codes.to(torch.int64)].to(dtype)
+
+
 # ----------------------------------------------------------------------------- compiled entry points
 _COMPILED: dict = {}
 
@@ -232,8 +252,26 @@ def hif8_current_quantize_compiled(x: torch.Tensor, format_max: float, saturate:
     return _compiled(_hif8_current_impl)(x, float(format_max), saturate, *hif8._encode_tables(x.device))
 
 
+def mxfp8_dequantize_compiled(data: torch.Tensor, scale: torch.Tensor, axis: int = -1,
+                              block_size: int = MX_BLOCK_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Compiled ``mxfp8.dequantize(...).to(dtype)``: equal to it bitwise wherever the values are
+    exactly representable in ``dtype`` (always for float32; callers check bf16)."""
+    axis = axis % data.dim()
+    if scale.shape[axis] * block_size != data.shape[axis]:
+        raise ValueError(f"MXFP8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)} "
+                         f"with block_size={block_size} along dim {axis}")
+    return _compiled(_mxfp8_decode_impl)(data.view(torch.uint8), scale, axis, block_size, dtype)
+
+
+def hif8_decode_compiled(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Compiled ``hif8.decode(codes).to(dtype)`` (HiF8 values are exact in bf16 and fp32)."""
+    return _compiled(_hif8_decode_impl)(codes, hif8._decode_table(codes.device), dtype)
+
+
 __all__ = [
     "hif8_current_quantize_compiled",
+    "hif8_decode_compiled",
+    "mxfp8_dequantize_compiled",
     "hif8_encode_compiled",
     "hif8_quantize_compiled",
     "quantize_compiled",

@@ -74,15 +74,24 @@ def _decode_dtype(op: QuantizedOperand) -> torch.dtype:
 
 def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Exact high-precision values of an operand. MXFP8: scales folded in; HiF8: codes only
-    (the FP32 tensor scale is applied to the GEMM product, as the kernel does)."""
+    (the FP32 tensor scale is applied to the GEMM product, as the kernel does). With
+    ``TE_NPU_QUANT_KERNEL=compiled`` the decode runs compiled too (same values)."""
+    compiled = None
+    if quant_kernel(op.data) == "compiled":
+        from te_npu.numerics import compiled
     if Format(op.format) == Format.HIF8:
-        return hif8.decode(op.data).to(dtype)
-    values = op.data.to(dtype)  # every E4M3 code is exactly representable in fp32 / bf16
-    scale = mxfp8.e8m0_to_float(op.scale).to(dtype)  # 2**(code-127), NaN for 0xFF
+        return hif8.decode(op.data).to(dtype) if compiled is None else compiled.hif8_decode_compiled(op.data, dtype)
     if op.group_sizes is not None:  # ragged col: blocks restart at each group boundary
+        values = op.data.to(dtype)  # every E4M3 code is exactly representable in fp32 / bf16
+        scale = mxfp8.e8m0_to_float(op.scale).to(dtype)  # 2**(code-127), NaN for 0xFF
         row_to_block, _ = mxfp8.group_block_index(op.group_sizes.to(op.data.device), MX_BLOCK_SIZE)
         return values * scale[row_to_block]
-    return _block_expand(scale, values, -1 if op.orientation == "row" else -2)
+    axis = -1 if op.orientation == "row" else -2
+    if compiled is not None and op.data.shape[axis] % MX_BLOCK_SIZE == 0:
+        return compiled.mxfp8_dequantize_compiled(op.data, op.scale, axis, MX_BLOCK_SIZE, dtype)
+    values = op.data.to(dtype)
+    scale = mxfp8.e8m0_to_float(op.scale).to(dtype)
+    return _block_expand(scale, values, axis)
 
 
 def _decode_pair(left: QuantizedOperand, right: QuantizedOperand) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,3 +121,31 @@ def test_compiled_mxfp8_dual_column_aligned_special_blocks(gen):
     x[0, :8] = torch.tensor([0.0, -0.0, 1e-40, 448.0, 464.0, -480.0, 1.0625, -3e38])
     xb = x.to(torch.bfloat16)
     assert_bitwise_equal(compiled.quantize_dual_compiled(xb), mxfp8.quantize_dual(xb))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton path of the compiled kernels: needs a CUDA device")
+def test_cuda_compiled_kernels_equal_cpu_eager(gen):
+    """On CUDA inductor emits Triton instead of C++: same graphs, same bits as the CPU reference."""
+    x = mixed_input((256, 512), gen, dtype=torch.bfloat16)
+    cuda_dual = compiled.quantize_dual_compiled(x.cuda())
+    assert_bitwise_equal([t.cpu() for t in cuda_dual], mxfp8.quantize_dual(x))
+    cuda_row = compiled.quantize_compiled(x.cuda(), -1)
+    assert_bitwise_equal([t.cpu() for t in cuda_row], mxfp8.quantize(x, -1))
+    scale = hif8.current_scale(x.float().abs().amax(), 15.0)
+    codes = compiled.hif8_quantize_compiled(x.cuda(), scale.cuda())
+    assert torch.equal(codes.cpu(), hif8.quantize(x, scale))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_decodes_equal_eager(gen, dtype):
+    x = mixed_input((96, 128), gen)
+    for axis in (-1, -2):
+        data, scale = mxfp8.quantize(x, axis=axis)
+        want = mxfp8.dequantize(data, scale, axis=axis).to(dtype)
+        got = compiled.mxfp8_dequantize_compiled(data, scale, axis, dtype=dtype)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    torch.testing.assert_close(compiled.hif8_decode_compiled(codes, dtype), hif8.decode(codes).to(dtype),
+                               rtol=0, atol=0, equal_nan=True)

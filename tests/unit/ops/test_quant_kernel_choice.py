@@ -73,3 +73,24 @@ def test_linear_step_with_compiled_kernels_matches_eager_bitwise(monkeypatch, re
     monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "compiled")
     for a, b in zip(eager, step(compiled_layer)):
         assert torch.equal(a, b)
+
+
+def test_compiled_also_decodes_dense_operands_compiled(monkeypatch):
+    from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer
+
+    calls = []
+    monkeypatch.setattr(compiled, "mxfp8_dequantize_compiled",
+                        lambda data, scale, axis, bs, dtype: calls.append(("mx", axis)) or mxfp8.dequantize(data, scale, axis, bs).to(dtype))
+    monkeypatch.setattr(compiled, "hif8_decode_compiled", lambda codes, dtype: calls.append(("hif8",)) or hif8.decode(codes).to(dtype))
+    x = torch.randn(64, 96)
+    row = MXFP8Quantizer().quantize(x, orientation="row")
+    col = MXFP8Quantizer().quantize(x, orientation="col")
+    ragged = MXFP8Quantizer().quantize(x, orientation="col", group_list=torch.tensor([30, 34]))
+    codes = HiF8Quantizer(15.0).quantize(x, orientation="row")
+    eager = [emulation.decode(op) for op in (row, col, ragged, codes)]
+    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "compiled")
+    assert calls == []
+    routed = [emulation.decode(op) for op in (row, col, ragged, codes)]
+    assert calls == [("mx", -1), ("mx", -2), ("hif8",)]  # the ragged col stays eager
+    for a, b in zip(eager, routed):
+        assert torch.equal(a, b)
