@@ -104,14 +104,17 @@ def refresh_low_precision_weights(
         shard, master_shard = _local(param), _local(master)
         if not isinstance(shard, QuantizedWeightTensor):
             raise TypeError(f"refresh_low_precision_weights: expected a quantized weight, got {type(shard).__name__}")
-        scale = None
+        scale = amax = None
         if shard.format == Format.HIF8 and shard.dim() == 2:
             amax = hif8_amax(master_shard)
             reduce_group = group if group is not None else _mesh_group(param)
             if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=reduce_group)
             scale = hif8.current_scale(amax, shard._quantizer.format_max)
-        shard.refresh_from_master(master_shard, scale=scale)
+        if amax is None:
+            shard.refresh_from_master(master_shard, scale=scale)
+        else:  # the group amax the scale came from, for quantization observers
+            shard.refresh_from_master(master_shard, scale=scale, amax=amax)
         if on_refresh is not None:
             on_refresh(param)
 

@@ -62,16 +62,18 @@ def hif8_quantize(x: torch.Tensor, format_max: float, *, orientation: str | None
 
 
 def hif8_quantize_with_scale(
-    x: torch.Tensor, scale: torch.Tensor, *, orientation: str | None = None, format_max: float | None = None
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    orientation: str | None = None,
+    amax: torch.Tensor | None = None,
+    format_max: float | None = None,
 ) -> torch.Tensor:
     """HiF8 codes of ``x / scale`` for a given FP32 scale (e.g. agreed across FSDP ranks).
 
-    ``format_max`` (the target the caller derived ``scale`` from) is only reported to observers,
-    with the local amax of ``x``, which is computed only when someone observes."""
+    ``amax`` / ``format_max``: what the caller derived ``scale`` from (e.g. the FSDP-group amax
+    and 15.0), reported to observers as given; None when the caller does not say."""
     backend = backend_for(x.device)
-    if has_observers():
-        local_amax = x.detach().abs().float()
-        local_amax = local_amax.amax(dim=(1, 2)) if x.dim() == 3 else local_amax.amax()
-        emit(QuantEvent(format=Format.HIF8.value, orientation=orientation, shape=tuple(x.shape), backend=backend.NAME,
-                        amax=local_amax, scale=scale, format_max=None if format_max is None else float(format_max)))
+    _event(Format.HIF8.value, orientation, x, backend, amax=amax, scale=scale,
+           format_max=None if format_max is None else float(format_max))
     return backend.hif8_quantize_with_scale(x, scale)

@@ -48,7 +48,10 @@ class HiF8Quantizer:
         codes, scale = ops.hif8_quantize(tensor, self.format_max, orientation=orientation)
         return QuantizedOperand(codes, scale, tensor.dtype, self.format, orientation)
 
-    def quantize_with_scale(self, tensor: torch.Tensor, scale: torch.Tensor) -> QuantizedOperand:
-        """Quantize with a given FP32 scale (e.g. one agreed on across FSDP ranks)."""
-        codes = ops.hif8_quantize_with_scale(tensor, scale, orientation="row", format_max=self.format_max)
+    def quantize_with_scale(self, tensor: torch.Tensor, scale: torch.Tensor,
+                            amax: torch.Tensor | None = None) -> QuantizedOperand:
+        """Quantize with a given FP32 scale (e.g. one agreed on across FSDP ranks); ``amax``, the
+        value the scale was derived from (``scale = amax / format_max``), is reported to observers."""
+        codes = ops.hif8_quantize_with_scale(tensor, scale, orientation="row", amax=amax,
+                                             format_max=None if amax is None else self.format_max)
         return QuantizedOperand(codes, scale, tensor.dtype, self.format, "row")

@@ -89,19 +89,21 @@ class HiF8Tensor(QuantizedWeightTensor):
         self._require_weight_shape("dequantize")
         return hif8.dequantize(self.qdata, self.scale).to(dtype or self.dtype)
 
-    def refresh_from_master(self, master_shard: torch.Tensor, *, scale: torch.Tensor | None = None) -> None:
+    def refresh_from_master(self, master_shard: torch.Tensor, *, scale: torch.Tensor | None = None,
+                            amax: torch.Tensor | None = None) -> None:
         """Re-quantize from ``master_shard`` (same shape) into the existing data and scale.
 
         ``scale``: the FP32 scale to use (the optimizer passes the FSDP-group MAX-reduced
         ``amax / 15`` for a dense shard, so every rank quantizes with the same scalar);
-        ``None`` computes the current scale of ``master_shard``.
+        ``None`` computes the current scale of ``master_shard``. ``amax``: the amax ``scale`` was
+        derived from, reported to quantization observers (optional).
         """
         self._require_weight_shape("refresh_from_master")
         if list(master_shard.shape) != list(self.shape):
             raise ValueError(f"refresh_from_master: master shape {list(master_shard.shape)} != weight {list(self.shape)}")
         if scale is not None and list(scale.shape) != list(self.scale.shape):
             raise ValueError(f"refresh_from_master: scale shape {list(scale.shape)} != {list(self.scale.shape)}")
-        self._store(_quantize(self._quantizer, master_shard.detach(), scale))
+        self._store(_quantize(self._quantizer, master_shard.detach(), scale, amax))
 
     def _requantize_(self, high_precision: torch.Tensor) -> None:
         self._store(_quantize(self._quantizer, high_precision.detach(), None))
@@ -123,7 +125,8 @@ class HiF8Tensor(QuantizedWeightTensor):
         return self._rewrap({"qdata": qdata, "scale": scale}, [rows] + list(self.shape[1:]))
 
 
-def _quantize(quantizer: HiF8Quantizer, w: torch.Tensor, scale: torch.Tensor | None) -> QuantizedOperand:
+def _quantize(quantizer: HiF8Quantizer, w: torch.Tensor, scale: torch.Tensor | None,
+              amax: torch.Tensor | None = None) -> QuantizedOperand:
     if scale is None:
         return quantizer.quantize(w, orientation="row")
-    return quantizer.quantize_with_scale(w, scale.to(device=w.device, dtype=torch.float32))
+    return quantizer.quantize_with_scale(w, scale.to(device=w.device, dtype=torch.float32), amax)

@@ -102,16 +102,19 @@ def test_hif8_tensor_grouped_split_moves_scale_with_experts(make_weight):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_hif8_refresh_with_given_scale_reports_local_amax_and_format_max(make_weight, shape):
+def test_hif8_refresh_with_given_scale_reports_the_amax_it_came_from(make_weight, shape):
     from te_npu.ops import QuantEvent, observe
 
     t = HiF8Tensor.from_high_precision(make_weight(*shape))
     master = make_weight(*shape, dtype=torch.float32)
-    scale = torch.full(t.scale.shape, 7.5)
+    group_amax = _amax(master) * 3  # e.g. the FSDP-group MAX: larger than this shard's
+    scale = hif8.current_scale(group_amax, HIF8_INPUT_MAX)
     events = []
     with observe(events.append):
-        t.refresh_from_master(master, scale=scale)
-    (event,) = [e for e in events if isinstance(e, QuantEvent)]
-    assert event.format == Format.HIF8.value and event.shape == shape
-    assert event.format_max == HIF8_INPUT_MAX
-    assert torch.equal(event.amax, _amax(master)) and torch.equal(event.scale, scale)
+        t.refresh_from_master(master, scale=scale, amax=group_amax)
+        t.refresh_from_master(master, scale=scale)  # no amax given: none reported
+    with_amax, without = [e for e in events if isinstance(e, QuantEvent)]
+    assert with_amax.format == Format.HIF8.value and with_amax.shape == shape
+    assert with_amax.format_max == HIF8_INPUT_MAX and torch.equal(with_amax.amax, group_amax)
+    assert torch.equal(with_amax.scale, scale)
+    assert without.amax is None and without.format_max is None and torch.equal(without.scale, scale)
