@@ -58,7 +58,8 @@ def _load():
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - compiler / ninja / loader errors all mean "unavailable"
-        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+        lines = str(exc).strip().splitlines()
+        return None, f"{type(exc).__name__}: {lines[-1] if lines else repr(exc)}"
     return module, None
 
 

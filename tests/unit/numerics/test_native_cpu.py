@@ -278,3 +278,30 @@ def test_hif8_per_expert_scales_match_eager(gen):
 def test_hif8_any_finite_fp32_tensor_matches_eager(arr, format_max):
     x = torch.from_numpy(arr.copy())
     assert_same_hif8(native_cpu.hif8_current_quantize(x, format_max), _eager_hif8(x, format_max))
+
+
+def test_a_kernel_that_cannot_build_raises_with_the_reason_instead_of_running_eager(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    from te_npu.ops import emulation
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    native_cpu._load.cache_clear()
+    try:
+        assert native_cpu.is_available(return_reason=True) == (False, "RuntimeError: Ninja is required to load C++ extensions")
+        with pytest.raises(native_cpu.NativeKernelUnavailable, match="Ninja is required"):
+            native_cpu.quantize_dual(torch.zeros(64, 64))
+        monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
+        with pytest.raises(native_cpu.NativeKernelUnavailable, match="Ninja is required"):
+            te_npu_ops_quantize_dual(torch.zeros(64, 64))
+    finally:
+        native_cpu._load.cache_clear()  # the next caller builds (or loads the cached build) again
+
+
+def te_npu_ops_quantize_dual(x):
+    from te_npu import ops
+
+    return ops.mxfp8_quantize_dual(x)
