@@ -115,8 +115,12 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, kind: st
     if hasattr(torch, "_grouped_mm"):
         try:
             return torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
+        except torch.OutOfMemoryError:
+            raise  # a real failure: the per-group loop would only allocate more
         except (RuntimeError, NotImplementedError):
-            pass  # unsupported shape/arch for the fused op: the per-group loop below is the same math
+            # operands the fused op refuses (strides not multiples of 16 bytes, bf16 -> fp32 on
+            # CPU, GPU arch): the per-group loop below is the same math, FP32-accumulated
+            pass
     sizes = counts.tolist()
     if kind == "m":
         chunks = torch.split(a, sizes, dim=0)
