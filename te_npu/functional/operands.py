@@ -15,6 +15,7 @@ import torch
 
 from te_npu.errors import LowPrecisionUnavailableError
 from te_npu.formats import Format, Orientation, QuantizationRole
+from te_npu.numerics.groups import group_sizes_tensor, host_group_sizes
 from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
 from te_npu.tensor.operand import QuantizedOperand
@@ -173,11 +174,18 @@ def load_operands(ctx) -> list[QuantizedOperand | None]:
 
 def group_list_tensor(m_splits: Sequence[int] | torch.Tensor, num_groups: int, num_rows: int,
                       device: torch.device) -> torch.Tensor:
-    """int64 ``[G]`` row counts on ``device``, checked against G and T (a host sync for tensors)."""
-    group_list = torch.as_tensor(m_splits, dtype=torch.int64).to(device)
-    if group_list.dim() != 1 or group_list.numel() != num_groups:
-        raise ValueError(f"m_splits must hold {num_groups} group sizes, got shape {tuple(group_list.shape)}")
-    total = int(group_list.sum())
-    if total != num_rows or bool((group_list < 0).any()):
-        raise ValueError(f"m_splits {group_list.tolist()} must be non-negative and sum to the {num_rows} input rows")
-    return group_list
+    """int64 ``[G]`` row counts on ``device`` with their host mirror (``te_npu.numerics.groups``),
+    checked against G and T on the host. A list costs no host sync; a tensor costs one read
+    (none if it already carries a mirror), and every later GEMM and ragged layout reads the
+    mirror."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1:
+            raise ValueError(f"m_splits must hold {num_groups} group sizes, got shape {tuple(m_splits.shape)}")
+        sizes = host_group_sizes(m_splits)
+    else:
+        sizes = tuple(int(s) for s in m_splits)
+    if len(sizes) != num_groups:
+        raise ValueError(f"m_splits must hold {num_groups} group sizes, got {len(sizes)}")
+    if sum(sizes) != num_rows or any(s < 0 for s in sizes):
+        raise ValueError(f"m_splits {list(sizes)} must be non-negative and sum to the {num_rows} input rows")
+    return group_sizes_tensor(sizes, device)

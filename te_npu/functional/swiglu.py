@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 import torch
 
 from te_npu.formats import QuantizationRole
+from te_npu.numerics.groups import host_group_sizes
 from te_npu.functional.grouped_linear import grouped_linear
 from te_npu.functional.weight_cache import WeightCache
 from te_npu.quantizers import Quantizer
@@ -74,6 +75,8 @@ def grouped_swiglu(
         ``[T, H]`` in x's dtype.
     """
     name = name or "grouped_swiglu"
+    if isinstance(m_splits, torch.Tensor):  # read once (one host sync at most) for both GMMs
+        m_splits = host_group_sizes(m_splits)
     sink = (None, None) if stats is None else (stats.setdefault("gate_up", {}), stats.setdefault("down", {}))
     h_TF2 = grouped_linear(x, gate_up_weight, m_splits, recipe=recipe, quantizers=quantizers,
                            weight_cache=weight_caches[0], name=f"{name}.gate_up_proj", stats=sink[0])

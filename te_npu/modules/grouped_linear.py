@@ -16,18 +16,20 @@ from torch import nn
 
 from te_npu import functional as te_functional
 from te_npu.modules.base import TEModule
+from te_npu.numerics.groups import group_sizes_tensor, host_group_sizes
 
 __all__ = ["TEGroupedLinear", "TEGroupedSwiGLUExperts"]
 
 
 def _split_sizes(m_splits: Sequence[int] | torch.Tensor) -> list[int]:
-    return m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+    """Host ints of ``m_splits`` (a tensor's mirror, or one read of its values)."""
+    return list(host_group_sizes(m_splits)) if isinstance(m_splits, torch.Tensor) else list(m_splits)
 
 
 def _grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, m_splits) -> torch.Tensor:
     """x: ``[T, K]`` sorted by group; weight: ``[G, N, K]`` -> ``[T, N]``."""
     if hasattr(torch, "_grouped_mm") and x.device.type in ("cuda", "cpu") and x.dtype == weight.dtype:
-        offsets = torch.cumsum(torch.as_tensor(_split_sizes(m_splits), device=x.device), 0).to(torch.int32)
+        offsets = torch.cumsum(group_sizes_tensor(_split_sizes(m_splits), x.device), 0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     chunks = torch.split(x, _split_sizes(m_splits))
     # unbind, not weight[g]: the backward of G selects would materialise G zero-filled [G, N, K]
@@ -129,6 +131,7 @@ class TEGroupedSwiGLUExperts(TEModule):
         """x: ``[T, H]`` rows sorted by expert, ``m_splits`` ``[E]`` -> ``[T, H]``."""
         recipe = self.forward_recipe()
         if recipe is None:
+            m_splits = _split_sizes(m_splits)  # read once for both GEMMs
             gate_up = te_functional.high_precision_weight(self.gate_up_proj)
             gate, up = _grouped_linear_reference(x, gate_up, m_splits).chunk(2, dim=-1)
             return _grouped_linear_reference(F.silu(gate) * up, te_functional.high_precision_weight(self.down_proj),

@@ -179,12 +179,15 @@ def _e8m0_value(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c == E8M0_NAN, FP32_NAN_BITS, bits).view(torch.float32)
 
 
-def _mxfp8_decode_impl(data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype):
-    """E4M3 values times their block's scale, in fp32 (exact), then cast to ``dtype``."""
+def _mxfp8_decode_impl(data: torch.Tensor, scale: torch.Tensor, axis: int, block_size: int, dtype: torch.dtype,
+                       scale_shift: int):
+    """E4M3 values times their block's scale (raised by ``2**scale_shift``), in fp32 (exact),
+    then cast to ``dtype``."""
     shape = tuple(data.shape)
     blocked = shape[:axis] + (shape[axis] // block_size, block_size) + shape[axis + 1:]
     values = data.view(torch.float8_e4m3fn).to(torch.float32).reshape(blocked)
-    return (values * _e8m0_value(scale).unsqueeze(axis + 1)).reshape(shape).to(dtype)
+    block_scale = _e8m0_value(scale) * float(2**scale_shift)
+    return (values * block_scale.unsqueeze(axis + 1)).reshape(shape).to(dtype)
 
 
 def _hif8_decode_impl(codes: torch.Tensor, table: torch.Tensor, dtype: torch.dtype):
@@ -253,14 +256,16 @@ def hif8_current_quantize_compiled(x: torch.Tensor, format_max: float, saturate:
 
 
 def mxfp8_dequantize_compiled(data: torch.Tensor, scale: torch.Tensor, axis: int = -1,
-                              block_size: int = MX_BLOCK_SIZE, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Compiled ``mxfp8.dequantize(...).to(dtype)``: equal to it bitwise wherever the values are
-    exactly representable in ``dtype`` (always for float32; callers check bf16)."""
+                              block_size: int = MX_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
+                              scale_shift: int = 0) -> torch.Tensor:
+    """Compiled ``(mxfp8.dequantize(...) * 2**scale_shift).to(dtype)``: equal to it bitwise wherever
+    the values are exactly representable in ``dtype`` (always for float32; for bf16 see
+    ``te_npu.ops.emulation``)."""
     axis = axis % data.dim()
     if scale.shape[axis] * block_size != data.shape[axis]:
         raise ValueError(f"MXFP8: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)} "
                          f"with block_size={block_size} along dim {axis}")
-    return _compiled(_mxfp8_decode_impl)(data.view(torch.uint8), scale, axis, block_size, dtype)
+    return _compiled(_mxfp8_decode_impl)(data.view(torch.uint8), scale, axis, block_size, dtype, scale_shift)
 
 
 def hif8_decode_compiled(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

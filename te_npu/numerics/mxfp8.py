@@ -38,6 +38,7 @@ from te_npu.numerics.constants import (
     FP32_NAN_BITS,
     MX_BLOCK_SIZE,
 )
+from te_npu.numerics.groups import host_group_sizes
 
 _MANTISSA_MASK = (1 << FP32_MANTISSA_BITS) - 1
 _SCALE_ALGS = ("floor", "ceil")
@@ -158,9 +159,9 @@ def _quantize_blocked(xc: torch.Tensor, axis: int, block_size: int, scale_alg: s
     codes = scale_codes_from_amax(amax, scale_alg)
     y = xb * _inverse_scale(codes, xc.dtype)
     data = y.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    nan_blocks = codes == E8M0_NAN
-    if bool(nan_blocks.any()):  # canonical NaN 0x7F: the NaN sign would otherwise depend on dtype/path
-        data = torch.where(nan_blocks, E4M3_NAN_CODE, data.view(torch.uint8)).to(torch.uint8).view(torch.float8_e4m3fn)
+    # canonical NaN 0x7F in NaN blocks (the NaN sign would otherwise depend on dtype / path);
+    # unconditional, so no host read of "any NaN block?"
+    data = torch.where(codes == E8M0_NAN, E4M3_NAN_CODE, data.view(torch.uint8)).to(torch.uint8).view(torch.float8_e4m3fn)
     return data.reshape(shape), codes.squeeze(axis + 1)
 
 
@@ -221,11 +222,12 @@ def _group_layout(group_sizes: torch.Tensor, num_rows: int, block_size: int):
 
     Groups are padded to multiples of ``block_size``; padded row = block * bs + offset in block.
     """
+    sizes = host_group_sizes(group_sizes)  # the host mirror, if any: no sync
+    num_blocks = sum(-(-s // block_size) for s in sizes)
+    if sum(sizes) != num_rows:
+        raise ValueError(f"group_sizes sum to {sum(sizes)}, operand has {num_rows} rows")
     group_sizes = group_sizes.to(torch.int64)
     blocks_per_group = (group_sizes + block_size - 1) // block_size  # [G]
-    num_blocks = int(blocks_per_group.sum())
-    if int(group_sizes.sum()) != num_rows:
-        raise ValueError(f"group_sizes sum to {int(group_sizes.sum())}, operand has {num_rows} rows")
     first_row = torch.cumsum(group_sizes, 0) - group_sizes  # [G] first row of each group
     first_block = torch.cumsum(blocks_per_group, 0) - blocks_per_group  # [G]
     group_ids = torch.arange(group_sizes.numel(), device=group_sizes.device)
@@ -244,7 +246,7 @@ def group_block_index(group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE
     Returns:
         ``(row_to_block [T] int64, num_blocks)`` with ``num_blocks = sum(ceil(g / bs))``.
     """
-    num_rows = int(group_sizes.sum())
+    num_rows = sum(host_group_sizes(group_sizes))
     row_to_block, _, num_blocks = _group_layout(group_sizes, num_rows, block_size)
     return row_to_block, num_blocks
 

@@ -11,6 +11,7 @@ import torch
 
 from te_npu.formats import Format
 from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.numerics.groups import host_group_sizes
 from te_npu.tensor.operand import QuantizedOperand
 
 __all__ = ["check_gemm", "check_grouped_gemm", "mxfp8_num_blocks"]
@@ -30,7 +31,7 @@ _SCALE_DTYPE = {Format.MXFP8_E4M3: torch.uint8, Format.HIF8: torch.float32}
 
 def mxfp8_num_blocks(group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> int:
     """Blocks of a ragged ``col`` operand: each group's rows in ``ceil(T_g / 32)`` blocks."""
-    return int(((group_sizes + block_size - 1) // block_size).sum().item())
+    return sum(-(-s // block_size) for s in host_group_sizes(group_sizes))
 
 
 def _shape(op: QuantizedOperand) -> tuple[int, ...]:
@@ -117,9 +118,10 @@ def _check_group_list(group_list: torch.Tensor, rows: int, num_groups: int | Non
         raise ValueError(f"group_list must be int64 row counts, got {group_list.dtype}")
     if num_groups is not None and group_list.numel() != num_groups:
         raise ValueError(f"group_list has {group_list.numel()} groups but the weight has {num_groups}")
-    if group_list.numel() and bool((group_list < 0).any()):
-        raise ValueError(f"group_list counts must be >= 0, got {group_list.tolist()}")
-    total = int(group_list.sum().item())
+    sizes = host_group_sizes(group_list)  # the host mirror, if any: no sync
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"group_list counts must be >= 0, got {list(sizes)}")
+    total = sum(sizes)
     if total != rows:
         raise ValueError(f"group_list sums to {total} but the token operand has {rows} rows")
 
@@ -144,10 +146,10 @@ def check_grouped_gemm(
             for name, op in (("left", left), ("right", right)):
                 if op.group_sizes is None:
                     raise ValueError(f"grouped TN MXFP8 {name} operand must be ragged col (group_sizes set), got none")
-                if not torch.equal(op.group_sizes.to(group_list.device, torch.int64), group_list.to(torch.int64)):
+                if host_group_sizes(op.group_sizes) != host_group_sizes(group_list):
                     raise ValueError(
-                        f"grouped TN {name} operand was quantized with group_sizes {op.group_sizes.tolist()} "
-                        f"but group_list is {group_list.tolist()}"
+                        f"grouped TN {name} operand was quantized with group_sizes {list(host_group_sizes(op.group_sizes))} "
+                        f"but group_list is {list(host_group_sizes(group_list))}"
                     )
         return fmt
     if len(ls) != 2 or len(rs) != 3:

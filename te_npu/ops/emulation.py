@@ -6,15 +6,20 @@ tensor (the registry routes those to ``te_npu.ops.npu``).
 
 Why the decode targets differ by device (both are exact, so results match the reference up
 to FP32 summation order):
-- CPU: an FP32 matmul is several times faster than a BF16 one, so operands decode to FP32.
-  MXFP8 folds the E8M0 block scale in while decoding (``value * 2**e`` is exact in FP32 for
-  every E4M3 code and every exponent, subnormal results included).
-- CUDA: operands decode to BF16 and multiply with an FP32 output. E4M3 values (3 mantissa
-  bits) times ``2**e`` are exact in BF16 unless the result falls below BF16's subnormal
-  quantum ``2**-133``, i.e. for scale codes < 3; such operands decode to FP32 instead.
-  HiF8 values (<= 3 mantissa bits, 2**-22 .. 2**15) are always exact in BF16.
-  Enabling TF32 (``torch.backends.cuda.matmul.allow_tf32``) would make FP32 paths inexact.
-HiF8 scales multiply the FP32 product: ``(P * left.scale) * right.scale``.
+- FP32 plan (CPU): an FP32 matmul is several times faster than a BF16 one there, so operands
+  decode to FP32. MXFP8 folds the E8M0 block scale in while decoding (``value * 2**e`` is exact
+  in FP32 for every E4M3 code and every exponent, subnormal results included).
+- BF16 plan (device types in :data:`BF16_GEMM_DEVICES`, i.e. CUDA): operands decode to BF16 and
+  multiply with an FP32 output. HiF8 values (<= 3 mantissa bits, 2**-22 .. 2**15) are always
+  exact in BF16. E4M3 values (3 mantissa bits) times ``2**e`` are exact in BF16 unless the
+  result falls below BF16's subnormal quantum ``2**-133`` (scale codes < 3), so MXFP8 operands
+  decode with their scales raised by a fixed ``2**3`` and the FP32 product is multiplied by
+  ``2**-6`` (both exact): no scale inspection, hence no host sync in any GEMM. The price is
+  headroom at the top of the range: a block code above 243 (block amax >= 2**125) decodes to
+  inf, and a product above 2**122 overflows, where the FP32 plan would stay finite. Enabling
+  TF32 (``torch.backends.cuda.matmul.allow_tf32``) would make FP32 paths inexact.
+HiF8 scales multiply the FP32 product: ``(P * left.scale) * right.scale``; the last multiply
+writes the output dtype directly (one pass, one rounding).
 
 Quantization runs ``te_npu.numerics`` (eager torch) unless ``TE_NPU_QUANT_KERNEL`` picks one of
 the bit-identical faster kernels (see :func:`quant_kernel`); a picked kernel that cannot be built
@@ -30,6 +35,7 @@ import torch
 
 from te_npu.formats import Format
 from te_npu.numerics import hif8, mxfp8
+from te_npu.numerics.groups import host_group_sizes, with_mirror_of
 from te_npu.numerics.constants import MX_BLOCK_SIZE
 from te_npu.tensor.operand import QuantizedOperand
 
@@ -46,7 +52,13 @@ __all__ = [
 ]
 
 NAME = "emulation"
-_BF16_EXACT_MIN_SCALE_CODE = 3  # E4M3 quantum 2**-9 times 2**(code-127) >= bf16 quantum 2**-133
+
+BF16_GEMM_DEVICES = frozenset({"cuda"})
+"""Device types whose emulated GEMMs take BF16 operands (the BF16 plan); others decode to FP32."""
+
+BF16_MXFP8_SCALE_SHIFT = 3
+"""log2 of the factor MXFP8 block scales are raised by in the BF16 plan: the smallest E4M3 value
+2**-9 times the smallest scale 2**-127, raised by 2**3, is 2**-133, BF16's subnormal quantum."""
 
 
 # ---------------------------------------------------------------- decode (exact)
@@ -63,19 +75,16 @@ def _block_expand(scale_f32: torch.Tensor, values: torch.Tensor, axis: int) -> t
     return values * expanded
 
 
-def _decode_dtype(op: QuantizedOperand) -> torch.dtype:
-    if op.data.device.type != "cuda":
-        return torch.float32
-    if Format(op.format) == Format.HIF8:
-        return torch.bfloat16
-    exact_in_bf16 = op.scale.numel() == 0 or int(op.scale.min().item()) >= _BF16_EXACT_MIN_SCALE_CODE
-    return torch.bfloat16 if exact_in_bf16 else torch.float32
+def uses_bf16_plan(device: torch.device) -> bool:
+    """Whether emulated GEMMs on ``device`` decode to BF16 (see the module docstring)."""
+    return device.type in BF16_GEMM_DEVICES
 
 
-def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Exact high-precision values of an operand. MXFP8: scales folded in; HiF8: codes only
-    (the FP32 tensor scale is applied to the GEMM product, as the kernel does). With
-    ``TE_NPU_QUANT_KERNEL=compiled`` the decode runs compiled too (same values)."""
+def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32, scale_shift: int = 0) -> torch.Tensor:
+    """Exact high-precision values of an operand. MXFP8: scales folded in, each raised by
+    ``2**scale_shift`` (exact; the BF16 plan uses 3); HiF8: codes only (the FP32 tensor scale is
+    applied to the GEMM product, as the kernel does). With ``TE_NPU_QUANT_KERNEL=compiled`` the
+    decode runs compiled too (same values)."""
     compiled = None
     if quant_kernel(op.data) == "compiled":
         from te_npu.numerics import compiled
@@ -83,33 +92,47 @@ def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32) -> torch.Te
         return hif8.decode(op.data).to(dtype) if compiled is None else compiled.hif8_decode_compiled(op.data, dtype)
     if op.group_sizes is not None:  # ragged col: blocks restart at each group boundary
         values = op.data.to(dtype)  # every E4M3 code is exactly representable in fp32 / bf16
-        scale = mxfp8.e8m0_to_float(op.scale).to(dtype)  # 2**(code-127), NaN for 0xFF
-        row_to_block, _ = mxfp8.group_block_index(op.group_sizes.to(op.data.device), MX_BLOCK_SIZE)
+        scale = _raised(mxfp8.e8m0_to_float(op.scale), scale_shift).to(dtype)
+        row_to_block, _ = mxfp8.group_block_index(with_mirror_of(op.group_sizes.to(op.data.device), op.group_sizes), MX_BLOCK_SIZE)
         return values * scale[row_to_block]
     axis = -1 if op.orientation == "row" else -2
     if compiled is not None and op.data.shape[axis] % MX_BLOCK_SIZE == 0:
-        return compiled.mxfp8_dequantize_compiled(op.data, op.scale, axis, MX_BLOCK_SIZE, dtype)
+        return compiled.mxfp8_dequantize_compiled(op.data, op.scale, axis, MX_BLOCK_SIZE, dtype, scale_shift)
     values = op.data.to(dtype)
-    scale = mxfp8.e8m0_to_float(op.scale).to(dtype)
+    scale = _raised(mxfp8.e8m0_to_float(op.scale), scale_shift).to(dtype)
     return _block_expand(scale, values, axis)
 
 
-def _decode_pair(left: QuantizedOperand, right: QuantizedOperand) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = torch.promote_types(_decode_dtype(left), _decode_dtype(right))
-    return decode(left, dtype), decode(right, dtype)
+def _raised(scale_f32: torch.Tensor, shift: int) -> torch.Tensor:
+    """``scale * 2**shift`` in FP32 (exact for the powers of two E8M0 codes decode to)."""
+    return scale_f32 * float(2**shift) if shift else scale_f32
+
+
+def _decode_pair(left: QuantizedOperand, right: QuantizedOperand) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Both operands decoded for the device's plan, plus the factor that undoes the MXFP8 scale
+    raise on the FP32 product (1.0 in the FP32 plan and for HiF8)."""
+    if not uses_bf16_plan(left.data.device):
+        return decode(left), decode(right), 1.0
+    shift = BF16_MXFP8_SCALE_SHIFT if Format(left.format) == Format.MXFP8_E4M3 else 0
+    a, b = decode(left, torch.bfloat16, shift), decode(right, torch.bfloat16, shift)
+    return a, b, 2.0 ** (-2 * shift)
 
 
 # ---------------------------------------------------------------- matmul helpers
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """FP32-accumulated product with an FP32 result."""
-    if a.dtype == torch.bfloat16:  # CUDA path; mm.dtype exists for CUDA, not CPU
-        return torch.mm(a, b, out_dtype=torch.float32)
+    """FP32-accumulated product with an FP32 result (BF16 operands: ``mm.dtype`` on CUDA; widened
+    to FP32 elsewhere, the same exact products)."""
+    if a.dtype == torch.bfloat16:
+        if a.device.type == "cuda":
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a.float(), b.float())
     return torch.mm(a, b)
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-group products. kind "m": a [T,k] row groups x b [G,k,n] -> [T,n];
-    kind "k": a [m,T] x b [T,n], groups along T -> [G,m,n] (empty group -> zeros)."""
+    kind "k": a [m,T] x b [T,n], groups along T -> [G,m,n] (empty group -> zeros).
+    ``counts``: the group list (its host mirror sizes the per-group loop)."""
     offs = torch.cumsum(counts.to(a.device), 0).to(torch.int32)
     out_dtype = torch.float32 if a.dtype == torch.bfloat16 else None
     if hasattr(torch, "_grouped_mm"):
@@ -121,7 +144,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, kind: st
             # operands the fused op refuses (strides not multiples of 16 bytes, bf16 -> fp32 on
             # CPU, GPU arch): the per-group loop below is the same math, FP32-accumulated
             pass
-    sizes = counts.tolist()
+    sizes = list(host_group_sizes(counts))
     if kind == "m":
         chunks = torch.split(a, sizes, dim=0)
         return torch.cat([_mm(chunk, b[g]) for g, chunk in enumerate(chunks)], dim=0)
@@ -129,14 +152,19 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, kind: st
     return torch.stack([_mm(x, y) for x, y in zip(a_chunks, b_chunks)], dim=0)
 
 
-def _hif8_dense_scales(product: torch.Tensor, left: QuantizedOperand, right: QuantizedOperand) -> torch.Tensor:
-    return product * left.scale.reshape(()) * right.scale.reshape(())
+def _epilogue(product: torch.Tensor, factor: torch.Tensor | float, output_dtype: torch.dtype) -> torch.Tensor:
+    """``(product * factor).to(output_dtype)`` in one pass (FP32 multiply, one rounding)."""
+    if isinstance(factor, float) and factor == 1.0:
+        return product.to(output_dtype)
+    if output_dtype == product.dtype:
+        return product.mul_(factor)
+    return torch.mul(product, factor, out=torch.empty_like(product, dtype=output_dtype))
 
 
 # ---------------------------------------------------------------- GEMMs
 def matmul(left: QuantizedOperand, right: QuantizedOperand, layout: str, output_dtype: torch.dtype) -> torch.Tensor:
     """Dense GEMM on validated operands: NT X.W^T, NN dY.W, TN dY^T.X."""
-    a, b = _decode_pair(left, right)
+    a, b, unraise = _decode_pair(left, right)
     if layout == "NT":
         product = _mm(a, b.t())
     elif layout == "NN":
@@ -144,8 +172,8 @@ def matmul(left: QuantizedOperand, right: QuantizedOperand, layout: str, output_
     else:
         product = _mm(a.t(), b)
     if Format(left.format) == Format.HIF8:
-        product = _hif8_dense_scales(product, left, right)
-    return product.to(output_dtype)
+        return _epilogue(product.mul_(left.scale.reshape(())), right.scale.reshape(()), output_dtype)
+    return _epilogue(product, unraise, output_dtype)
 
 
 def grouped_matmul(
@@ -156,22 +184,22 @@ def grouped_matmul(
     output_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Grouped GEMM on validated operands; ``group_list`` = int64 [G] row counts."""
-    a, b = _decode_pair(left, right)
-    counts = group_list.to(torch.int64)
+    a, b, unraise = _decode_pair(left, right)
+    counts = with_mirror_of(group_list.to(torch.int64), group_list)
     if layout == "NT":
         product = _grouped_mm(a, b.transpose(-1, -2), counts, "m")  # [T,K] x [G,K,N] -> [T,N]
     elif layout == "NN":
         product = _grouped_mm(a, b, counts, "m")  # [T,N] x [G,N,K] -> [T,K]
     else:
         product = _grouped_mm(a.t(), b, counts, "k")  # [N,T] x [T,K] -> [G,N,K]
-    if Format(left.format) == Format.HIF8:
-        product = product * left.scale.reshape(())
-        if layout == "TN":
-            product = product * right.scale.reshape(())
-        else:  # per-expert weight scale [G] -> one factor per token row
-            row_scale = torch.repeat_interleave(right.scale, counts.to(right.scale.device), output_size=a.shape[0])
-            product = product * row_scale.unsqueeze(-1)
-    return product.to(output_dtype)
+    if Format(left.format) != Format.HIF8:
+        return _epilogue(product, unraise, output_dtype)
+    product = product.mul_(left.scale.reshape(()))
+    if layout == "TN":
+        return _epilogue(product, right.scale.reshape(()), output_dtype)
+    # per-expert weight scale [G] -> one factor per token row
+    row_scale = torch.repeat_interleave(right.scale, counts.to(right.scale.device), output_size=a.shape[0])
+    return _epilogue(product, row_scale.unsqueeze(-1), output_dtype)
 
 
 # ---------------------------------------------------------------- quantization

@@ -47,6 +47,7 @@ import torch
 
 from te_npu.formats import Format
 from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.numerics.groups import host_group_sizes
 from te_npu.tensor.operand import QuantizedOperand
 
 __all__ = [
@@ -113,12 +114,12 @@ def from_npu_col_scale(npu_scale: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _group_blocks(group_sizes: torch.Tensor) -> list[int]:
-    return [math.ceil(int(t) / MX_BLOCK_SIZE) for t in group_sizes.tolist()]
+    return [math.ceil(t / MX_BLOCK_SIZE) for t in host_group_sizes(group_sizes)]
 
 
 def to_npu_grouped_scale(scale: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """Ragged col ``[num_blocks, K]`` -> ``[T // 64 + G, K, 2]`` (per-group even padding)."""
-    total_rows = int(group_sizes.sum().item()) // (2 * MX_BLOCK_SIZE) + group_sizes.numel()
+    total_rows = sum(host_group_sizes(group_sizes)) // (2 * MX_BLOCK_SIZE) + group_sizes.numel()
     pieces, start = [], 0
     for blocks in _group_blocks(group_sizes):
         pieces.append(_pad_even(scale[start : start + blocks], 0))

@@ -8,6 +8,7 @@ import torch
 
 from te_npu.formats import Format, Orientation
 from te_npu import ops
+from te_npu.numerics.groups import with_mirror_of
 from te_npu.tensor.operand import QuantizedOperand
 
 __all__ = ["MXFP8Quantizer"]
@@ -40,7 +41,7 @@ class MXFP8Quantizer:
         if orientation == "col" and group_list is not None:
             if tensor.dim() != 2:
                 raise ValueError(f"grouped col quantization needs a 2D [T, K] tensor, got shape {tuple(tensor.shape)}")
-            group_sizes = group_list.to(device=tensor.device, dtype=torch.int64)
+            group_sizes = with_mirror_of(group_list.to(device=tensor.device, dtype=torch.int64), group_list)
             data, scale = ops.mxfp8_quantize_grouped(tensor, group_sizes, self.block_size, self.scale_alg)
             return QuantizedOperand(data, scale, tensor.dtype, self.format, "col", group_sizes)
         data, scale = ops.mxfp8_quantize(tensor, axis=_AXIS[orientation], block_size=self.block_size, scale_alg=self.scale_alg)

@@ -80,7 +80,7 @@ def test_compiled_also_decodes_dense_operands_compiled(monkeypatch):
 
     calls = []
     monkeypatch.setattr(compiled, "mxfp8_dequantize_compiled",
-                        lambda data, scale, axis, bs, dtype: calls.append(("mx", axis)) or mxfp8.dequantize(data, scale, axis, bs).to(dtype))
+                        lambda data, scale, axis, bs, dtype, shift: calls.append(("mx", axis)) or mxfp8.dequantize(data, scale, axis, bs).to(dtype))
     monkeypatch.setattr(compiled, "hif8_decode_compiled", lambda codes, dtype: calls.append(("hif8",)) or hif8.decode(codes).to(dtype))
     x = torch.randn(64, 96)
     row = MXFP8Quantizer().quantize(x, orientation="row")
