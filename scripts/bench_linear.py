@@ -4,7 +4,9 @@ DeepSeek-V3 shapes: dense T x 2048 -> {2048, 3136, 2816}; grouped (routed expert
 2048 -> 2 * 1408 over E experts (top-6). The weights are quantized once before timing and
 reused (the cache hits, as between two optimizer steps in training). Saved bytes are counted
 with ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's bytes (float8 / uint8
-payloads included), each storage once (the weight is referenced, not counted twice).
+payloads included), each storage once (the weight is referenced, not counted twice). Host syncs
+per step (``te_npu.ops.host_syncs``: reads that would drain a CUDA / NPU stream) are counted
+by op, outside the timed loop, so the column means the same on every device.
 
     python scripts/bench_linear.py [--tokens 4096] [--experts 64] [--device cpu|cuda] [--iters 3]
         [--quant-kernel eager|compiled|native]
@@ -21,6 +23,7 @@ import time
 import torch
 
 import te_npu
+from te_npu.ops.host_syncs import count_host_syncs
 from te_npu import HiF8CurrentScalingRecipe, MXFP8BlockRecipe
 
 HIDDEN, TOPK, MOE_FF = 2048, 6, 1408
@@ -58,6 +61,12 @@ def timed(fn, dy, iters: int, device) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def host_syncs(fn, dy) -> int:
+    with count_host_syncs() as syncs:
+        fn().backward(dy)
+    return syncs.total
+
+
 def bench(label, make_module, x, dy, iters, device, baselines):
     """Time ``baselines`` (high-precision dtypes) and both 8-bit recipes on the same inputs."""
     rows = []
@@ -72,12 +81,13 @@ def bench(label, make_module, x, dy, iters, device, baselines):
             with te_npu.autocast(enabled=recipe is not None, recipe=recipe):
                 return module(x_in)
 
-        rows.append((name, timed(fn, dy_in, iters, device), saved_bytes(fn)))
+        rows.append((name, timed(fn, dy_in, iters, device), saved_bytes(fn), host_syncs(fn, dy_in)))
         del module
-    base = {name: (t, b) for name, t, b in rows if name in baselines}
-    for name, t, b in rows:
+    base = {name: (t, b) for name, t, b, _ in rows if name in baselines}
+    for name, t, b, syncs in rows:
         ratios = "  ".join(f"{t / base[k][0]:5.2f}x {k} time, {b / base[k][1]:4.2f}x {k} saved" for k in base)
-        print(f"{label:<44} {name:<6} fwd+bwd {t * 1e3:9.1f} ms  saved {b / 2**20:7.1f} MiB   {ratios}", flush=True)
+        print(f"{label:<44} {name:<6} fwd+bwd {t * 1e3:9.1f} ms  saved {b / 2**20:7.1f} MiB  host syncs {syncs}   "
+              f"{ratios}", flush=True)
     return rows
 
 

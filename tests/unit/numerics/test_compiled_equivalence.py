@@ -146,6 +146,10 @@ def test_compiled_decodes_equal_eager(gen, dtype):
         want = mxfp8.dequantize(data, scale, axis=axis).to(dtype)
         got = compiled.mxfp8_dequantize_compiled(data, scale, axis, dtype=dtype)
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        # the BF16 GEMM plan's raised scales (te_npu.ops.emulation.BF16_MXFP8_SCALE_SHIFT)
+        raised = compiled.mxfp8_dequantize_compiled(data, scale, axis, dtype=dtype, scale_shift=3)
+        torch.testing.assert_close(raised, (mxfp8.dequantize(data, scale, axis=axis) * 8).to(dtype),
+                                   rtol=0, atol=0, equal_nan=True)
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
     torch.testing.assert_close(compiled.hif8_decode_compiled(codes, dtype), hif8.decode(codes).to(dtype),
                                rtol=0, atol=0, equal_nan=True)
