@@ -78,9 +78,16 @@ def permute(
         raise TypeError(f"permute: topk_ids must be an integer tensor, got {topk_ids.dtype}")
     k = topk_ids.shape[1]
     expert_of_pair_P = topk_ids.reshape(-1).long()
-    m_splits_E = torch.bincount(expert_of_pair_P, minlength=num_experts)
-    if m_splits_E.numel() != num_experts:
-        raise ValueError(f"permute: topk_ids holds an expert id >= num_experts={num_experts}")
+    # counts in E + 1 bins, the last for ids outside [0, E): no data-dependent output size, so
+    # no host sync on an accelerator (bincount reads the max id). Out-of-range ids raise here on
+    # CPU; on an accelerator they are left out of m_splits, whose sum the experts check.
+    in_range_P = (expert_of_pair_P >= 0) & (expert_of_pair_P < num_experts)
+    bins_P = torch.where(in_range_P, expert_of_pair_P, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=hidden.device)
+    counts.scatter_add_(0, bins_P, torch.ones_like(bins_P))
+    if counts.device.type == "cpu" and counts[num_experts] > 0:
+        raise ValueError(f"permute: topk_ids holds an expert id outside [0, num_experts={num_experts})")
+    m_splits_E = counts[:num_experts]
     pair_of_row_P = torch.argsort(expert_of_pair_P, stable=True)
     row_map_P = _inverse_permutation(pair_of_row_P)
     permuted_PH = _ExpandGather.apply(hidden, pair_of_row_P // k, row_map_P, k)

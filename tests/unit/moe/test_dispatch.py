@@ -63,6 +63,8 @@ def test_permute_empty_experts(gen):
 def test_permute_rejects_bad_ids():
     with pytest.raises(ValueError, match="num_experts"):
         moe.permute(torch.zeros(2, 4), torch.tensor([[0], [4]]), num_experts=4)
+    with pytest.raises(ValueError, match="num_experts"):
+        moe.permute(torch.zeros(2, 4), torch.tensor([[0], [-1]]), num_experts=4)
     with pytest.raises(TypeError, match="integer"):
         moe.permute(torch.zeros(2, 4), torch.zeros(2, 1), num_experts=4)
 
