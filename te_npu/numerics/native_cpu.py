@@ -1,8 +1,9 @@
-"""Hand-written CPU kernels for MXFP8 quantization (both orientations in one pass) and HiF8
-current scaling (amax, scale and codes), bit-identical to :mod:`te_npu.numerics.mxfp8` /
-:mod:`te_npu.numerics.hif8`, which stay the reference and the default everywhere.
+"""Hand-written CPU kernels for MXFP8 quantization (both orientations in one pass), HiF8
+current scaling (amax, scale and codes) and the table decode of both formats to FP32,
+bit-identical to :mod:`te_npu.numerics.mxfp8` / :mod:`te_npu.numerics.hif8`, which stay the
+reference and the default everywhere.
 
-The kernels (``native/{mxfp8_cpu,hif8_cpu,bindings}.cpp``) are C++ built on first use with
+The kernels (``native/{mxfp8_cpu,hif8_cpu,decode_cpu,bindings}.cpp``) are C++ built on first use with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja, as ``torch.compile`` on CPU
 needs a compiler) and cached by torch under ``~/.cache/torch_extensions``; the first build takes
 about a minute on 2 cores. Build flags follow the CPU capability PyTorch detected (AVX2 / AVX-512 /
@@ -16,18 +17,29 @@ Shape legend as in :mod:`te_npu.numerics.mxfp8`: ``x: [..., N, K]``; blocks of 3
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from te_npu.numerics import mxfp8
+from te_npu.numerics import hif8, mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
 
-__all__ = ["NativeKernelUnavailable", "hif8_current_quantize", "is_available", "quantize", "quantize_dual"]
+__all__ = [
+    "NativeKernelUnavailable",
+    "dequantize",
+    "hif8_current_quantize",
+    "hif8_decode",
+    "is_available",
+    "quantize",
+    "quantize_dual",
+]
 
-_SOURCES = [Path(__file__).with_name("native") / name for name in ("mxfp8_cpu.cpp", "hif8_cpu.cpp", "bindings.cpp")]
+_NATIVE_DIR = Path(__file__).with_name("native")
+_SOURCES = [_NATIVE_DIR / name for name in ("mxfp8_cpu.cpp", "hif8_cpu.cpp", "decode_cpu.cpp", "bindings.cpp")]
+_HEADERS = [_NATIVE_DIR / "huge_pages.h"]
 _ARCH_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> compiler flags
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -36,6 +48,8 @@ _ARCH_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> compiler flags
 # kernel would run on one thread. (GCC/Linux; elsewhere the kernel builds single-threaded.)
 _OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
 
 
 class NativeKernelUnavailable(RuntimeError):
@@ -50,8 +64,10 @@ def _load():
     try:
         from torch.utils.cpp_extension import load
 
+        # the content hash keys torch's build cache on headers too (it hashes only the sources)
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
         module = load(
-            name=f"te_npu_native_cpu_{capability.lower()}",
+            name=f"te_npu_native_cpu_{capability.lower()}_{digest}",
             sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", *flags, *_OPENMP],
             extra_ldflags=_OPENMP,
@@ -173,3 +189,77 @@ def hif8_current_quantize(x: torch.Tensor, format_max: float, *, per_group: bool
     if not per_group:
         amax, scale = amax.reshape(()), scale.reshape(())
     return codes, scale, amax
+
+
+# ----------------------------------------------------------------------------- decode
+_NO_SCALE, _ROW_BLOCKS, _COL_BLOCKS = 0, 1, 2
+
+
+@lru_cache(maxsize=None)
+def _e4m3_table() -> torch.Tensor:
+    """fp32 [256]: every E4M3 code's exact value (torch's widening cast; NaN for 0x7F / 0xFF)."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _codes_2d(codes: torch.Tensor, name: str) -> torch.Tensor:
+    if codes.device.type != "cpu" or codes.dim() < 2:
+        raise ValueError(f"native decode: {name} must be a CPU tensor with >= 2 dims, got {tuple(codes.shape)} "
+                         f"on {codes.device}")
+    return codes.contiguous().view(torch.uint8).reshape(-1, codes.shape[-1])
+
+
+def _block_scale_shape(shape, axis: int) -> tuple[int, ...]:
+    shape = list(shape)
+    shape[axis] = -(-shape[axis] // MX_BLOCK_SIZE)
+    return tuple(shape)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, *, scale_shift: int = 0,
+               row_to_block: torch.Tensor | None = None) -> torch.Tensor:
+    """Native MXFP8 decode to fp32: ``decode_e4m3(data) * (2**(code - 127) * 2**scale_shift)`` per
+    block, the scale raised first (as ``te_npu.ops.emulation.decode``); with ``scale_shift=0``
+    bitwise equal to ``mxfp8.dequantize`` / ``mxfp8.dequantize_grouped``.
+
+    Args:
+        data: ``float8_e4m3fn`` (or uint8) ``[..., N, K]``.
+        scale: uint8 E8M0 codes: ``[..., N, K/32]`` (axis -1), ``[..., N/32, K]`` (axis -2), or
+            ``[B, K]`` for a ragged 2D col operand with ``row_to_block`` int64 ``[N]`` (each
+            row's block, as ``mxfp8.group_block_index`` returns).
+        scale_shift: raise every block scale by ``2**scale_shift`` (exact).
+    """
+    axis = axis % data.dim()
+    codes = _codes_2d(data, "data")
+    block_scale = (mxfp8.e8m0_to_float(scale) * float(2**scale_shift)).contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    if row_to_block is not None:
+        if axis != data.dim() - 2 or data.dim() != 2 or row_to_block.shape != (data.shape[0],):
+            raise ValueError(f"native decode: a ragged col operand is 2D [T, K] with row_to_block [T], got data "
+                             f"{tuple(data.shape)}, axis {axis}, row_to_block {tuple(row_to_block.shape)}")
+        mode, rows_map, block_scale = _COL_BLOCKS, row_to_block.to(torch.int64).contiguous(), block_scale.reshape(-1, codes.shape[1])
+    elif data.shape[axis] % MX_BLOCK_SIZE:
+        raise ValueError(f"native decode: dim {axis} of {tuple(data.shape)} is not a multiple of {MX_BLOCK_SIZE}")
+    elif tuple(scale.shape) != _block_scale_shape(data.shape, axis):
+        raise ValueError(f"native decode: data {tuple(data.shape)} blocked along dim {axis} needs a scale of shape "
+                         f"{_block_scale_shape(data.shape, axis)}, got {tuple(scale.shape)}")
+    elif axis == data.dim() - 1:
+        mode, rows_map, block_scale = _ROW_BLOCKS, _EMPTY_I64, block_scale.reshape(codes.shape[0], -1)
+    elif axis == data.dim() - 2:  # N % 32 == 0 per matrix, so no block spans two leading indices
+        mode, rows_map, block_scale = _COL_BLOCKS, _EMPTY_I64, block_scale.reshape(-1, codes.shape[1])
+    else:
+        raise ValueError(f"native decode blocks along the last two dims only, got axis {axis} of {tuple(data.shape)}")
+    _module().lut_decode_into(codes, _e4m3_table(), block_scale, mode, MX_BLOCK_SIZE, rows_map, out)
+    return out.reshape(data.shape)
+
+
+@lru_cache(maxsize=None)
+def _hif8_table() -> torch.Tensor:
+    """fp32 [256]: every HiF8 code's value (``hif8.decode``, the reference)."""
+    return hif8.decode(torch.arange(256, dtype=torch.uint8)).contiguous()
+
+
+def hif8_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Native ``hif8.decode(codes)`` for uint8 codes with >= 2 dims (fp32, same shape), bitwise equal."""
+    flat = _codes_2d(codes, "codes")
+    out = torch.empty(flat.shape, dtype=torch.float32)
+    _module().lut_decode_into(flat, _hif8_table(), _EMPTY_F32, _NO_SCALE, 1, _EMPTY_I64, out)
+    return out.reshape(codes.shape)

@@ -83,19 +83,30 @@ def uses_bf16_plan(device: torch.device) -> bool:
 def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32, scale_shift: int = 0) -> torch.Tensor:
     """Exact high-precision values of an operand. MXFP8: scales folded in, each raised by
     ``2**scale_shift`` (exact; the BF16 plan uses 3); HiF8: codes only (the FP32 tensor scale is
-    applied to the GEMM product, as the kernel does). With ``TE_NPU_QUANT_KERNEL=compiled`` the
-    decode runs compiled too (same values)."""
+    applied to the GEMM product, as the kernel does). ``TE_NPU_QUANT_KERNEL=compiled`` decodes
+    compiled too, ``native`` with the C++ table decode for FP32 on CPU (same values)."""
+    kernel = quant_kernel(op.data)
     compiled = None
-    if quant_kernel(op.data) == "compiled":
+    if kernel == "compiled":
         from te_npu.numerics import compiled
+    native = kernel == "native" and dtype == torch.float32 and op.data.dim() >= 2
+    if native:
+        from te_npu.numerics import native_cpu
     if Format(op.format) == Format.HIF8:
+        if native:
+            return native_cpu.hif8_decode(op.data)
         return hif8.decode(op.data).to(dtype) if compiled is None else compiled.hif8_decode_compiled(op.data, dtype)
     if op.group_sizes is not None:  # ragged col: blocks restart at each group boundary
+        group_sizes = with_mirror_of(op.group_sizes.to(op.data.device), op.group_sizes)
+        row_to_block, _ = mxfp8.group_block_index(group_sizes, MX_BLOCK_SIZE)
+        if native:
+            return native_cpu.dequantize(op.data, op.scale, -2, scale_shift=scale_shift, row_to_block=row_to_block)
         values = op.data.to(dtype)  # every E4M3 code is exactly representable in fp32 / bf16
         scale = _raised(mxfp8.e8m0_to_float(op.scale), scale_shift).to(dtype)
-        row_to_block, _ = mxfp8.group_block_index(with_mirror_of(op.group_sizes.to(op.data.device), op.group_sizes), MX_BLOCK_SIZE)
         return values * scale[row_to_block]
     axis = -1 if op.orientation == "row" else -2
+    if native and op.data.shape[axis] % MX_BLOCK_SIZE == 0:
+        return native_cpu.dequantize(op.data, op.scale, axis, scale_shift=scale_shift)
     if compiled is not None and op.data.shape[axis] % MX_BLOCK_SIZE == 0:
         return compiled.mxfp8_dequantize_compiled(op.data, op.scale, axis, MX_BLOCK_SIZE, dtype, scale_shift)
     values = op.data.to(dtype)
@@ -212,8 +223,8 @@ def quant_kernel(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> str:
     ``eager`` (default, the reference), ``compiled`` (``te_npu.numerics.compiled``:
     torch.compile, CPU or CUDA; each new shape compiles once), or ``native``
     (``te_npu.numerics.native_cpu``, CPU tensors: MXFP8 row / col / dual and HiF8 current
-    scaling; HiF8 with a given scale stays eager). The ragged grouped col quantization is always
-    eager. A kernel that cannot be built raises."""
+    scaling, and the FP32 decode of both formats; HiF8 with a given scale stays eager). The
+    ragged grouped col quantization is always eager. A kernel that cannot be built raises."""
     choice = os.environ.get(QUANT_KERNEL_ENV, "eager")
     if choice not in QUANT_KERNELS:
         raise ValueError(f"{QUANT_KERNEL_ENV}={choice!r}: expected one of {QUANT_KERNELS}")

@@ -8,15 +8,14 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "huge_pages.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
 
 namespace te_npu_native {
 namespace {
@@ -270,22 +269,6 @@ void dispatch(const at::Tensor& x, bool ceil_alg, uint8_t* rd, uint8_t* rs, uint
   else if (cd) quantize_tiles<In, false, true>(src, rows, cols, ceil_alg, rd, rs, cd, cs);
 }
 
-// Fresh output buffers are first touched here, one 4 KB page fault at a time: on a VM that costs
-// about as much as the kernel. Ask Linux for 2 MB pages on the buffer's aligned interior before
-// writing (a hint: a no-op where transparent huge pages are off or the pages already exist).
-void advise_huge_pages(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  if (t.numel() < static_cast<int64_t>(2 * kHuge)) return;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = (begin + static_cast<uintptr_t>(t.numel())) & ~(kHuge - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#else
-  (void)t;
-#endif
-}
-
 void check_output(const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.is_contiguous() && t.dim() == 2 &&
                   t.size(0) == rows && t.size(1) == cols,
@@ -316,7 +299,7 @@ void quantize_into(const at::Tensor& x, bool ceil_alg, const at::Tensor& row_dat
     check_output(col_data, rows, cols, "col_data");
     check_output(col_scale, rows / kBlock, cols, "col_scale");
   }
-  for (const at::Tensor* t : {&row_data, &col_data}) advise_huge_pages(*t);
+  for (const at::Tensor* t : {&row_data, &col_data}) advise_huge_pages(t->data_ptr(), t->nbytes());
   uint8_t* rd = want_row ? row_data.data_ptr<uint8_t>() : nullptr;
   uint8_t* rs = want_row ? row_scale.data_ptr<uint8_t>() : nullptr;
   uint8_t* cd = want_col ? col_data.data_ptr<uint8_t>() : nullptr;

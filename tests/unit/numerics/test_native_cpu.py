@@ -190,14 +190,16 @@ def test_linear_and_grouped_expert_steps_under_native_kernels_match_eager_bitwis
 
     eager = step(build())
     calls = []
-    for name in ("quantize", "quantize_dual", "hif8_current_quantize"):
+    for name in ("quantize", "quantize_dual", "hif8_current_quantize", "dequantize", "hif8_decode"):
         original = getattr(native_cpu, name)
         monkeypatch.setattr(native_cpu, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
     native = step(build())
     # MXFP8: dual for dense operands and weights, row-only for grouped activations (their ragged
-    # col blocks stay eager); HiF8: one current-scaled payload per tensor
-    expected = {"quantize_dual", "quantize"} if recipe_name == "mxfp8" else {"hif8_current_quantize"}
+    # col blocks stay eager); HiF8: one current-scaled payload per tensor; every GEMM operand
+    # decodes natively (ragged col operands included)
+    expected = ({"quantize_dual", "quantize", "dequantize"} if recipe_name == "mxfp8"
+                else {"hif8_current_quantize", "hif8_decode"})
     assert set(calls) == expected and len(calls) >= 3, calls
     for a, b in zip(eager, native, strict=True):
         assert torch.equal(a, b)
@@ -305,3 +307,64 @@ def te_npu_ops_quantize_dual(x):
     from te_npu import ops
 
     return ops.mxfp8_quantize_dual(x)
+
+
+# ----------------------------------------------------------------------------- table decode
+def _every_code_under_every_scale():
+    """data [256, 256]: row i, col j holds E4M3 code j; row scale code of row i is i (i = 255: the
+    NaN scale). Returned as (data, row_scale [256, 8]) with every block of a row sharing code i."""
+    data = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(torch.float8_e4m3fn)
+    scale = torch.arange(256, dtype=torch.uint8).unsqueeze(1).repeat(1, 8)
+    return data, scale
+
+
+def _assert_equal_nan(got, want):
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("shift", [0, 3])
+def test_decode_every_e4m3_code_under_every_scale_code_matches_eager(shift):
+    data, row_scale = _every_code_under_every_scale()
+    # the scale is raised before it multiplies (codes >= 252 raised by 2**3 overflow to inf; no
+    # finite input reaches them, but the order is pinned): value * (2**(code - 127) * 2**shift)
+    raised = (mxfp8.e8m0_to_float(row_scale) * 2.0**shift).repeat_interleave(32, dim=1)
+    want = mxfp8.decode_e4m3(data) * raised
+    if shift == 0:
+        _assert_equal_nan(want, mxfp8.dequantize(data, row_scale, axis=-1))
+    _assert_equal_nan(native_cpu.dequantize(data, row_scale, -1, scale_shift=shift), want)
+    # the same values transposed: blocks along dim -2
+    col_data, col_scale = data.t().contiguous(), row_scale.t().contiguous()
+    _assert_equal_nan(native_cpu.dequantize(col_data, col_scale, -2, scale_shift=shift), want.t())
+
+
+def test_decode_3d_weights_in_both_orientations_matches_eager(gen):
+    w = torch.randn(3, 64, 96, generator=gen) * 10
+    for axis in (-1, -2):
+        data, scale = mxfp8.quantize(w, axis=axis)
+        _assert_equal_nan(native_cpu.dequantize(data, scale, axis), mxfp8.dequantize(data, scale, axis=axis))
+
+
+def test_decode_ragged_col_operand_matches_eager(gen):
+    sizes = torch.tensor([40, 0, 7, 33, 1])
+    x = torch.randn(81, 64, generator=gen) * torch.logspace(-30, 30, 81).unsqueeze(1)
+    data, scale = mxfp8.quantize_grouped(x, sizes)
+    row_to_block, _ = mxfp8.group_block_index(sizes)
+    _assert_equal_nan(native_cpu.dequantize(data, scale, -2, row_to_block=row_to_block),
+                      mxfp8.dequantize_grouped(data, scale, sizes))
+
+
+def test_decode_every_hif8_code_matches_eager():
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    _assert_equal_nan(native_cpu.hif8_decode(codes), hif8.decode(codes))
+    big = torch.randint(0, 256, (3, 100, 64), dtype=torch.uint8)
+    _assert_equal_nan(native_cpu.hif8_decode(big), hif8.decode(big))
+
+
+def test_decode_rejects_bad_block_maps_and_shapes():
+    data, scale = mxfp8.quantize(torch.randn(64, 32), axis=-2)
+    with pytest.raises(RuntimeError, match="outside"):
+        native_cpu.dequantize(data, scale, -2, row_to_block=torch.full((64,), 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="row_to_block"):
+        native_cpu.dequantize(data, scale, -2, row_to_block=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scale of shape"):
+        native_cpu.dequantize(data, scale, -1)
