@@ -55,3 +55,28 @@ def test_swiglu_experts_read_device_splits_once(recipe, plan, rand):
     experts = te_npu.TEGroupedSwiGLUExperts(len(SPLITS), 128, 64)
     syncs = _step(experts, recipe, rand(sum(SPLITS), 128, requires_grad=True), torch.tensor(SPLITS))
     assert syncs.calls == {"tolist": 1}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own sync detector: needs a CUDA device")
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_cuda_steps_make_no_host_sync(recipe):
+    """The same claim checked by CUDA itself: ``set_sync_debug_mode("error")`` raises on any
+    synchronizing call (a warm-up step first: weight quantization and compiles may sync)."""
+    torch.manual_seed(0)
+    layer = te_npu.TELinear(256, 128, device="cuda")
+    experts = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xg = torch.randn(sum(SPLITS), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        with te_npu.autocast(recipe=recipe):
+            loss = layer(x).float().square().sum() + experts(xg, SPLITS).float().square().sum()
+        loss.backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
