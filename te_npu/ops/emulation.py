@@ -140,15 +140,28 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b)
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-group products. kind "m": a [T,k] row groups x b [G,k,n] -> [T,n];
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, kind: str,
+                bf16_product: bool = False) -> torch.Tensor:
+    """Per-group products, FP32-accumulated. kind "m": a [T,k] row groups x b [G,k,n] -> [T,n];
     kind "k": a [m,T] x b [T,n], groups along T -> [G,m,n] (empty group -> zeros).
-    ``counts``: the group list (its host mirror sizes the per-group loop)."""
+    ``counts``: the group list (its host mirror sizes the per-group loop). BF16 operands give an
+    FP32 product, or with ``bf16_product`` one rounded once to BF16 (callers that round to BF16
+    anyway): the only form CUDA's fused kernel takes. CUDA runs FP32 products as a per-group
+    loop after reading the offsets on the host, so those go straight to the loop here, which
+    reads the mirror instead."""
     offs = torch.cumsum(counts.to(a.device), 0).to(torch.int32)
-    out_dtype = torch.float32 if a.dtype == torch.bfloat16 else None
-    if hasattr(torch, "_grouped_mm"):
+    out_dtype = None
+    if a.dtype == torch.bfloat16:
+        out_dtype = torch.bfloat16 if bf16_product else torch.float32
+    fused = hasattr(torch, "_grouped_mm") and not (a.device.type == "cuda" and out_dtype == torch.float32)
+    if fused:
         try:
-            return torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
+            product = torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
+            if kind == "k":  # an empty reduction group is zero by contract; not every build writes it
+                for g, size in enumerate(host_group_sizes(counts)):
+                    if size == 0:
+                        product[g].zero_()
+            return product
         except torch.OutOfMemoryError:
             raise  # a real failure: the per-group loop would only allocate more
         except (RuntimeError, NotImplementedError):
@@ -197,12 +210,15 @@ def grouped_matmul(
     """Grouped GEMM on validated operands; ``group_list`` = int64 [G] row counts."""
     a, b, unraise = _decode_pair(left, right)
     counts = with_mirror_of(group_list.to(torch.int64), group_list)
+    # MXFP8 into BF16: rounding the raised product to BF16, then the exact power-of-two unraise,
+    # equals rounding the product once (HiF8's arbitrary scales must multiply the FP32 product)
+    bf16_product = Format(left.format) == Format.MXFP8_E4M3 and output_dtype == torch.bfloat16
     if layout == "NT":
-        product = _grouped_mm(a, b.transpose(-1, -2), counts, "m")  # [T,K] x [G,K,N] -> [T,N]
+        product = _grouped_mm(a, b.transpose(-1, -2), counts, "m", bf16_product)  # [T,K] x [G,K,N] -> [T,N]
     elif layout == "NN":
-        product = _grouped_mm(a, b, counts, "m")  # [T,N] x [G,N,K] -> [T,K]
+        product = _grouped_mm(a, b, counts, "m", bf16_product)  # [T,N] x [G,N,K] -> [T,K]
     else:
-        product = _grouped_mm(a.t(), b, counts, "k")  # [N,T] x [T,K] -> [G,N,K]
+        product = _grouped_mm(a.t(), b, counts, "k", bf16_product)  # [N,T] x [T,K] -> [G,N,K]
     if Format(left.format) != Format.HIF8:
         return _epilogue(product, unraise, output_dtype)
     product = product.mul_(left.scale.reshape(()))

@@ -133,3 +133,32 @@ def test_hif8_bf16_decode_is_exact_for_every_code():
     op = QuantizedOperand(codes, torch.tensor(1.0), torch.float32, Format.HIF8, "row")
     torch.testing.assert_close(emulation.decode(op, torch.bfloat16).float(), hif8.decode(codes),
                                rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("layout", ["NT", "NN", "TN"])
+def test_bf16_plan_grouped_mxfp8_into_bf16_rounds_the_product_once(monkeypatch, layout):
+    """BF16 output takes the fused kernel's BF16 product (raised), then the exact unraise: the
+    FP32 plan's product rounded once to BF16 (up to FP32 summation order; equal here)."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = [5, 0, 40, 19]
+    group_list = torch.tensor(sizes)
+    rand = lambda *s: (torch.randn(*s, generator=gen) * 3).to(torch.bfloat16)  # noqa: E731
+    q = MXFP8Quantizer()
+    if layout == "NT":
+        left, right = q.quantize(rand(64, 96), orientation="row"), q.quantize(rand(4, 64, 96), orientation="row")
+    elif layout == "NN":
+        left, right = q.quantize(rand(64, 64), orientation="row"), q.quantize(rand(4, 64, 96), orientation="col")
+    else:
+        left = q.quantize(rand(64, 64), orientation="col", group_list=group_list)
+        right = q.quantize(rand(64, 96), orientation="col", group_list=group_list)
+    fp32_plan = low_precision_grouped_matmul(left, right, group_list, layout=layout, output_dtype=torch.float32)
+    monkeypatch.setattr(emulation, "BF16_GEMM_DEVICES", frozenset({"cuda", "cpu"}))
+    calls = []
+    original = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(k.get("out_dtype")) or original(*a, **k))
+    bf16_plan = low_precision_grouped_matmul(left, right, group_list, layout=layout, output_dtype=torch.bfloat16)
+    assert calls == [torch.bfloat16]
+    assert bf16_plan.dtype == torch.bfloat16
+    assert torch.equal(bf16_plan, fp32_plan.to(torch.bfloat16))
+    if layout == "TN":
+        assert torch.count_nonzero(bf16_plan[1]) == 0
