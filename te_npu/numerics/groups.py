@@ -5,6 +5,7 @@ from an accelerator tensor is a host sync, one per read. :func:`group_sizes_tens
 tensor from host ints and keeps those ints as its mirror; :func:`host_group_sizes` returns the
 mirror, or reads the values (one sync) from a tensor without one. A mirror belongs to one
 tensor version: an in-place change of the tensor makes the next read go to the values.
+(Inference-mode tensors have no version counter; their mirror is trusted as made.)
 """
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ __all__ = ["group_sizes_tensor", "host_group_sizes", "with_mirror_of"]
 _MIRROR = "_te_npu_host_group_sizes"
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
+
+
 def _attach(tensor: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    setattr(tensor, _MIRROR, (tensor._version, sizes))
+    setattr(tensor, _MIRROR, (_version(tensor), sizes))
     return tensor
 
 
@@ -39,7 +44,7 @@ def host_group_sizes(group_sizes: torch.Tensor) -> tuple[int, ...]:
     """The row counts of ``group_sizes`` ``[G]`` as Python ints: the mirror when it is current,
     else the tensor's values (a host sync on an accelerator)."""
     mirror = getattr(group_sizes, _MIRROR, None)
-    if mirror is not None and mirror[0] == group_sizes._version:
+    if mirror is not None and mirror[0] == _version(group_sizes):
         return mirror[1]
     return tuple(int(s) for s in group_sizes.tolist())
 
@@ -47,6 +52,6 @@ def host_group_sizes(group_sizes: torch.Tensor) -> tuple[int, ...]:
 def with_mirror_of(tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """``tensor`` (a copy of ``source``'s values, e.g. ``source.to(...)``) with ``source``'s mirror."""
     mirror = getattr(source, _MIRROR, None)
-    if tensor is source or mirror is None or mirror[0] != source._version:
+    if tensor is source or mirror is None or mirror[0] != _version(source):
         return tensor
     return _attach(tensor, mirror[1])

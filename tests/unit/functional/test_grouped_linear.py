@@ -169,3 +169,14 @@ def test_grouped_swiglu_order_and_reference(recipe, rand):
     y_ref = grouped_reference(a_ref, down.detach(), torch.zeros(100, 64), splits, recipe.format)[0]
     fp32_close(y.detach(), y_ref)
     assert x.grad.shape == x.shape and gate_up.grad.shape == gate_up.shape and down.grad.shape == down.shape
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_linear_runs_under_inference_mode(recipe, rand):
+    layer = te_npu.TEGroupedLinear(4, 64, 32, params_dtype=torch.float32)
+    x = rand(100, 64)
+    with te_npu.autocast(recipe=recipe):
+        want = layer(x, [10, 0, 57, 33])
+        with torch.inference_mode():
+            for splits in ([10, 0, 57, 33], torch.tensor([10, 0, 57, 33])):
+                assert torch.equal(layer(x, splits), want)

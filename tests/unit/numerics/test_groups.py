@@ -52,3 +52,9 @@ def test_ragged_layout_from_mirror_makes_no_host_read():
 def test_ragged_layout_still_checks_the_row_count():
     with pytest.raises(ValueError, match="sum to 70, operand has 77 rows"):
         mxfp8.quantize_grouped(torch.randn(77, 64), group_sizes_tensor([40, 30]))
+
+
+def test_mirror_works_for_inference_tensors():
+    with torch.inference_mode():
+        sizes = group_sizes_tensor([3, 4])
+        assert host_group_sizes(with_mirror_of(sizes.clone(), sizes)) == (3, 4)
