@@ -13,8 +13,9 @@ to FP32 summation order):
   multiply with an FP32 output. HiF8 values (<= 3 mantissa bits, 2**-22 .. 2**15) are always
   exact in BF16. E4M3 values (3 mantissa bits) times ``2**e`` are exact in BF16 unless the
   result falls below BF16's subnormal quantum ``2**-133`` (scale codes < 3), so MXFP8 operands
-  decode with their scales raised by a fixed ``2**3`` and the FP32 product is multiplied by
-  ``2**-6`` (both exact): no scale inspection, hence no host sync in any GEMM. The price is
+  decode with their scales raised by a fixed ``2**3`` and the product is multiplied by
+  ``2**-6`` (both exact; the product is FP32, or BF16 for a grouped GEMM into BF16, see
+  :func:`_grouped_mm`): no scale inspection, hence no host sync in any GEMM. The price is
   headroom at the top of the range: a block code above 243 (block amax >= 2**125) decodes to
   inf, and a product above 2**122 overflows, where the FP32 plan would stay finite. Enabling
   TF32 (``torch.backends.cuda.matmul.allow_tf32``) would make FP32 paths inexact.
@@ -35,8 +36,8 @@ import torch
 
 from te_npu.formats import Format
 from te_npu.numerics import hif8, mxfp8
-from te_npu.numerics.groups import host_group_sizes, with_mirror_of
 from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.numerics.groups import host_group_sizes, with_mirror_of
 from te_npu.tensor.operand import QuantizedOperand
 
 __all__ = [
