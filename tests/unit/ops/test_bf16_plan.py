@@ -36,6 +36,20 @@ def _operands(gen, fmt, layout, M=64, N=96, K=128):
     return q.quantize(rand(*shapes[0]), orientation=lo), q.quantize(rand(*shapes[1]), orientation=ro)
 
 
+def _grouped_operands(fmt, layout, seed, sizes=(5, 0, 40, 19)):
+    """(left, right, group_list) of a grouped ``layout`` GEMM over 64 token rows in 4 groups."""
+    gen = torch.Generator().manual_seed(seed)
+    group_list = torch.tensor(sizes)
+    rand = lambda *s: (torch.randn(*s, generator=gen) * 3).to(torch.bfloat16)  # noqa: E731
+    q = _quantizer(fmt)
+    if layout == "NT":
+        return q.quantize(rand(64, 96), orientation="row"), q.quantize(rand(4, 64, 96), orientation="row"), group_list
+    if layout == "NN":
+        return q.quantize(rand(64, 64), orientation="row"), q.quantize(rand(4, 64, 96), orientation="col"), group_list
+    return (q.quantize(rand(64, 64), orientation="col", group_list=group_list),
+            q.quantize(rand(64, 96), orientation="col", group_list=group_list), group_list)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["NT", "NN", "TN"])
 @pytest.mark.parametrize("fmt", [Format.MXFP8_E4M3, Format.HIF8], ids=lambda f: f.value)
@@ -52,18 +66,7 @@ def test_bf16_plan_equals_fp32_plan_on_random_operands(monkeypatch, fmt, layout,
 @pytest.mark.parametrize("layout", ["NT", "NN", "TN"])
 @pytest.mark.parametrize("fmt", [Format.MXFP8_E4M3, Format.HIF8], ids=lambda f: f.value)
 def test_bf16_plan_grouped_equals_fp32_plan(monkeypatch, fmt, layout):
-    gen = torch.Generator().manual_seed(3)
-    sizes = [5, 0, 40, 19]
-    group_list = torch.tensor(sizes)
-    rand = lambda *s: (torch.randn(*s, generator=gen) * 3).to(torch.bfloat16)  # noqa: E731
-    q = _quantizer(fmt)
-    if layout == "NT":
-        left, right = q.quantize(rand(64, 96), orientation="row"), q.quantize(rand(4, 64, 96), orientation="row")
-    elif layout == "NN":
-        left, right = q.quantize(rand(64, 64), orientation="row"), q.quantize(rand(4, 64, 96), orientation="col")
-    else:
-        left = q.quantize(rand(64, 64), orientation="col", group_list=group_list)
-        right = q.quantize(rand(64, 96), orientation="col", group_list=group_list)
+    left, right, group_list = _grouped_operands(fmt, layout, seed=3)
     fp32_plan = low_precision_grouped_matmul(left, right, group_list, layout=layout, output_dtype=torch.float32)
     monkeypatch.setattr(emulation, "BF16_GEMM_DEVICES", frozenset({"cuda", "cpu"}))
     bf16_plan = low_precision_grouped_matmul(left, right, group_list, layout=layout, output_dtype=torch.float32)
@@ -139,18 +142,7 @@ def test_hif8_bf16_decode_is_exact_for_every_code():
 def test_bf16_plan_grouped_mxfp8_into_bf16_rounds_the_product_once(monkeypatch, layout):
     """BF16 output takes the fused kernel's BF16 product (raised), then the exact unraise: the
     FP32 plan's product rounded once to BF16 (up to FP32 summation order; equal here)."""
-    gen = torch.Generator().manual_seed(5)
-    sizes = [5, 0, 40, 19]
-    group_list = torch.tensor(sizes)
-    rand = lambda *s: (torch.randn(*s, generator=gen) * 3).to(torch.bfloat16)  # noqa: E731
-    q = MXFP8Quantizer()
-    if layout == "NT":
-        left, right = q.quantize(rand(64, 96), orientation="row"), q.quantize(rand(4, 64, 96), orientation="row")
-    elif layout == "NN":
-        left, right = q.quantize(rand(64, 64), orientation="row"), q.quantize(rand(4, 64, 96), orientation="col")
-    else:
-        left = q.quantize(rand(64, 64), orientation="col", group_list=group_list)
-        right = q.quantize(rand(64, 96), orientation="col", group_list=group_list)
+    left, right, group_list = _grouped_operands(Format.MXFP8_E4M3, layout, seed=5)
     fp32_plan = low_precision_grouped_matmul(left, right, group_list, layout=layout, output_dtype=torch.float32)
     monkeypatch.setattr(emulation, "BF16_GEMM_DEVICES", frozenset({"cuda", "cpu"}))
     calls = []
