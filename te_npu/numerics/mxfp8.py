@@ -252,12 +252,13 @@ def group_block_index(group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE
 
 
 def quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE,
-                     scale_alg: str = "floor"):
+                     scale_alg: str = "floor", *, padded_col_quantize=None):
     """MXFP8 along dim 0 of ``x: [T, K]`` with ragged blocks (see :func:`group_block_index`).
 
     Each group is zero-padded to a multiple of ``block_size`` (zeros leave a block's amax
     unchanged), quantized with :func:`quantize` along dim 0 and gathered back, so a group's
-    short last block is scaled by its own rows only.
+    short last block is scaled by its own rows only. ``padded_col_quantize`` optionally
+    replaces that middle step with a bit-identical kernel: ``[B * bs, K] -> (data, scale [B, K])``.
 
     Returns:
         ``data [T, K]`` float8_e4m3fn, ``scale [B, K]`` uint8 E8M0 codes.
@@ -269,7 +270,10 @@ def quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_size: int
     xc = _compute_dtype(x)
     x_padded = xc.new_zeros((num_blocks * block_size, x.shape[1]))  # [B * bs, K]
     x_padded.index_copy_(0, padded_row, xc)
-    data_padded, scale = _quantize_blocked(x_padded, 0, block_size, scale_alg)
+    if padded_col_quantize is None:
+        data_padded, scale = _quantize_blocked(x_padded, 0, block_size, scale_alg)
+    else:
+        data_padded, scale = padded_col_quantize(x_padded)
     data = data_padded.view(torch.uint8).index_select(0, padded_row).view(torch.float8_e4m3fn)
     return data, scale
 

@@ -240,8 +240,10 @@ def quant_kernel(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> str:
     ``eager`` (default, the reference), ``compiled`` (``te_npu.numerics.compiled``:
     torch.compile, CPU or CUDA; each new shape compiles once), or ``native``
     (``te_npu.numerics.native_cpu``, CPU tensors: MXFP8 row / col / dual and HiF8 current
-    scaling, and the FP32 decode of both formats; HiF8 with a given scale stays eager). The
-    ragged grouped col quantization is always eager. A kernel that cannot be built raises."""
+    scaling, the col blocks of the ragged grouped quantization, and the FP32 decode of both
+    formats; HiF8 with a given scale stays eager). ``compiled`` leaves the ragged grouped col
+    quantization eager (its block count changes with the routing: a compile per step). A kernel
+    that cannot be built raises."""
     choice = os.environ.get(QUANT_KERNEL_ENV, "eager")
     if choice not in QUANT_KERNELS:
         raise ValueError(f"{QUANT_KERNEL_ENV}={choice!r}: expected one of {QUANT_KERNELS}")
@@ -277,6 +279,11 @@ def mxfp8_quantize_dual(w: torch.Tensor, block_size: int, scale_alg: str):
 
 
 def mxfp8_quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_size: int, scale_alg: str):
+    if quant_kernel(x, block_size) == "native":  # pad / gather eager, the col blocks native
+        from te_npu.numerics import native_cpu
+
+        return mxfp8.quantize_grouped(x, group_sizes, block_size, scale_alg, padded_col_quantize=lambda padded: (
+            native_cpu.quantize(padded, axis=-2, block_size=block_size, scale_alg=scale_alg)))
     return mxfp8.quantize_grouped(x, group_sizes, block_size, scale_alg)
 
 

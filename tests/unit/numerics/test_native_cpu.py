@@ -195,8 +195,8 @@ def test_linear_and_grouped_expert_steps_under_native_kernels_match_eager_bitwis
         monkeypatch.setattr(native_cpu, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
     native = step(build())
-    # MXFP8: dual for dense operands and weights, row-only for grouped activations (their ragged
-    # col blocks stay eager); HiF8: one current-scaled payload per tensor; every GEMM operand
+    # MXFP8: dual for dense operands and weights, row-only for grouped activations plus their
+    # padded ragged col blocks; HiF8: one current-scaled payload per tensor; every GEMM operand
     # decodes natively (ragged col operands included)
     expected = ({"quantize_dual", "quantize", "dequantize"} if recipe_name == "mxfp8"
                 else {"hif8_current_quantize", "hif8_decode"})
@@ -368,3 +368,21 @@ def test_decode_rejects_bad_block_maps_and_shapes():
         native_cpu.dequantize(data, scale, -2, row_to_block=torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="scale of shape"):
         native_cpu.dequantize(data, scale, -1)
+
+
+@pytest.mark.parametrize("scale_alg", ["floor", "ceil"])
+def test_ragged_col_quantization_through_the_native_kernel_matches_eager(monkeypatch, gen, scale_alg):
+    from te_npu import ops
+    from te_npu.ops import emulation
+
+    sizes = torch.tensor([40, 0, 7, 33, 1])
+    x = (torch.randn(81, 64, generator=gen) * torch.logspace(-30, 30, 81).unsqueeze(1)).to(torch.bfloat16)
+    x[3, 5] = float("nan")
+    want = mxfp8.quantize_grouped(x, sizes, scale_alg=scale_alg)
+    calls = []
+    original = native_cpu.quantize
+    monkeypatch.setattr(native_cpu, "quantize", lambda *a, **k: calls.append(k.get("axis")) or original(*a, **k))
+    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
+    got = ops.mxfp8_quantize_grouped(x, sizes, scale_alg=scale_alg)
+    assert calls == [-2]
+    assert_same(got, want)
