@@ -109,6 +109,16 @@ def _quantize_impl(x: torch.Tensor, axis: int, block_size: int, scale_alg: str):
     return _blocked(mxfp8._compute_dtype(x), axis, block_size, scale_alg)
 
 
+def _ragged_col_impl(x: torch.Tensor, padded_row: torch.Tensor, padded_rows: int, block_size: int, scale_alg: str):
+    """Ragged col quantization at a static padded size: rows scattered to ``padded_row`` in a
+    zero ``[padded_rows, K]`` buffer, blocked along dim 0, gathered back. Returns uint8 ``data
+    [T, K]`` and ``scale [padded_rows / bs, K]`` (blocks past the groups' are all-zero padding)."""
+    xc = mxfp8._compute_dtype(x)
+    padded = xc.new_zeros((padded_rows, x.shape[1])).index_copy(0, padded_row, xc)
+    data, scale = _blocked(padded, 0, block_size, scale_alg)
+    return data.index_select(0, padded_row), scale
+
+
 def _dual_views(xc: torch.Tensor, block_size: int):
     """``xc: [..., N, K]`` -> row-blocked ``[..., N, K/bs, bs]`` and col-blocked ``[..., N/bs, bs, K]`` views."""
     *lead, n, k = xc.shape
@@ -190,6 +200,14 @@ def _mxfp8_decode_impl(data: torch.Tensor, scale: torch.Tensor, axis: int, block
     return (values * block_scale.unsqueeze(axis + 1)).reshape(shape).to(dtype)
 
 
+def _ragged_decode_impl(data: torch.Tensor, scale: torch.Tensor, row_to_block: torch.Tensor, dtype: torch.dtype,
+                       scale_shift: int):
+    """Ragged col decode: row ``t`` of ``data [T, K]`` times scale row ``row_to_block[t]``."""
+    values = data.view(torch.float8_e4m3fn).to(torch.float32)
+    block_scale = _e8m0_value(scale) * float(2**scale_shift)
+    return (values * block_scale.index_select(0, row_to_block)).to(dtype)
+
+
 def _hif8_decode_impl(codes: torch.Tensor, table: torch.Tensor, dtype: torch.dtype):
     return table[codes.to(torch.int64)].to(dtype)
 
@@ -238,6 +256,39 @@ def quantize_dual_compiled(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, sca
     return row_data.view(torch.float8_e4m3fn), row_scale, col_data.view(torch.float8_e4m3fn), col_scale
 
 
+def _max_ragged_blocks(num_rows: int, num_groups: int, block_size: int) -> int:
+    """An upper bound of ``sum(ceil(T_g / bs))`` that depends on T and G only (static shapes):
+    each group adds at most one partial block to ``T // bs``."""
+    return num_rows // block_size + num_groups
+
+
+def quantize_grouped_compiled(x: torch.Tensor, group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE,
+                              scale_alg: str = "floor"):
+    """Compiled :func:`mxfp8.quantize_grouped` (bitwise equal). The block count changes with the
+    group sizes, so the graph runs at the static upper bound T // bs + G blocks (one compile per
+    T, G, K) and the scale is cut to the real count, a host int from the group sizes' mirror."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_grouped needs a [T, K] tensor, got shape {tuple(x.shape)}")
+    mxfp8._check(x, -1, 1, scale_alg)
+    _, padded_row, num_blocks = mxfp8._group_layout(group_sizes, x.shape[0], block_size)
+    bound = _max_ragged_blocks(x.shape[0], group_sizes.numel(), block_size)
+    data, scale = _compiled(_ragged_col_impl)(x, padded_row, bound * block_size, block_size, scale_alg)
+    return data.view(torch.float8_e4m3fn), scale[:num_blocks]
+
+
+def mxfp8_dequantize_grouped_compiled(data: torch.Tensor, scale: torch.Tensor, group_sizes: torch.Tensor,
+                                      dtype: torch.dtype = torch.float32, scale_shift: int = 0) -> torch.Tensor:
+    """Compiled ``(mxfp8.dequantize_grouped(...) * 2**scale_shift).to(dtype)`` (scale raised first),
+    run at the static block bound of :func:`quantize_grouped_compiled` (the scale is zero-padded)."""
+    row_to_block, num_blocks = mxfp8.group_block_index(group_sizes, MX_BLOCK_SIZE)
+    if scale.shape[0] != num_blocks or data.shape[0] != row_to_block.numel():
+        raise ValueError(f"grouped MXFP8: data {tuple(data.shape)} / scale {tuple(scale.shape)} do not "
+                         f"match group_sizes with {num_blocks} blocks")
+    bound = _max_ragged_blocks(data.shape[0], group_sizes.numel(), MX_BLOCK_SIZE)
+    padded_scale = torch.nn.functional.pad(scale, (0, 0, 0, bound - num_blocks))
+    return _compiled(_ragged_decode_impl)(data.view(torch.uint8), padded_scale, row_to_block, dtype, scale_shift)
+
+
 def hif8_encode_compiled(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
     """Compiled :func:`hif8.encode`."""
     return _compiled(_hif8_encode_impl)(x.to(torch.float32), saturate, *hif8._encode_tables(x.device))
@@ -277,6 +328,8 @@ __all__ = [
     "hif8_current_quantize_compiled",
     "hif8_decode_compiled",
     "mxfp8_dequantize_compiled",
+    "mxfp8_dequantize_grouped_compiled",
+    "quantize_grouped_compiled",
     "hif8_encode_compiled",
     "hif8_quantize_compiled",
     "quantize_compiled",

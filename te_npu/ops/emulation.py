@@ -99,6 +99,8 @@ def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32, scale_shift
         return hif8.decode(op.data).to(dtype) if compiled is None else compiled.hif8_decode_compiled(op.data, dtype)
     if op.group_sizes is not None:  # ragged col: blocks restart at each group boundary
         group_sizes = with_mirror_of(op.group_sizes.to(op.data.device), op.group_sizes)
+        if compiled is not None:
+            return compiled.mxfp8_dequantize_grouped_compiled(op.data, op.scale, group_sizes, dtype, scale_shift)
         row_to_block, _ = mxfp8.group_block_index(group_sizes, MX_BLOCK_SIZE)
         if native:
             return native_cpu.dequantize(op.data, op.scale, -2, scale_shift=scale_shift, row_to_block=row_to_block)
@@ -241,9 +243,9 @@ def quant_kernel(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> str:
     torch.compile, CPU or CUDA; each new shape compiles once), or ``native``
     (``te_npu.numerics.native_cpu``, CPU tensors: MXFP8 row / col / dual and HiF8 current
     scaling, the col blocks of the ragged grouped quantization, and the FP32 decode of both
-    formats; HiF8 with a given scale stays eager). ``compiled`` leaves the ragged grouped col
-    quantization eager (its block count changes with the routing: a compile per step). A kernel
-    that cannot be built raises."""
+    formats; HiF8 with a given scale stays eager). ``compiled`` runs the ragged grouped col
+    quantization and decode at a static block bound, so routing changes do not recompile. A
+    kernel that cannot be built raises."""
     choice = os.environ.get(QUANT_KERNEL_ENV, "eager")
     if choice not in QUANT_KERNELS:
         raise ValueError(f"{QUANT_KERNEL_ENV}={choice!r}: expected one of {QUANT_KERNELS}")
@@ -279,7 +281,12 @@ def mxfp8_quantize_dual(w: torch.Tensor, block_size: int, scale_alg: str):
 
 
 def mxfp8_quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_size: int, scale_alg: str):
-    if quant_kernel(x, block_size) == "native":  # pad / gather eager, the col blocks native
+    kernel = quant_kernel(x, block_size)
+    if kernel == "compiled":
+        from te_npu.numerics import compiled
+
+        return compiled.quantize_grouped_compiled(x, group_sizes, block_size, scale_alg)
+    if kernel == "native":  # pad / gather eager, the col blocks native
         from te_npu.numerics import native_cpu
 
         return mxfp8.quantize_grouped(x, group_sizes, block_size, scale_alg, padded_col_quantize=lambda padded: (

@@ -153,3 +153,29 @@ def test_compiled_decodes_equal_eager(gen, dtype):
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
     torch.testing.assert_close(compiled.hif8_decode_compiled(codes, dtype), hif8.decode(codes).to(dtype),
                                rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alg", ["floor", "ceil"])
+def test_compiled_ragged_col_quantize_and_decode_equal_eager_without_recompiling(gen, alg):
+    """Routing changes the block count every step; the static block bound keeps one graph."""
+    from te_npu.numerics.groups import group_sizes_tensor
+
+    x = mixed_input((81, 64), gen, dtype=torch.bfloat16)
+    x[3, 5] = float("nan")
+    splits = ([40, 0, 7, 33, 1], [1, 80, 0, 0, 0], [81, 0, 0, 0, 0], [0, 0, 0, 0, 81], [17, 16, 16, 16, 16])
+    compiles_before = None
+    for i, sizes in enumerate(splits):
+        group_sizes = group_sizes_tensor(sizes)
+        data, scale = compiled.quantize_grouped_compiled(x, group_sizes, scale_alg=alg)
+        assert_bitwise_equal([data, scale], mxfp8.quantize_grouped(x, group_sizes, scale_alg=alg))
+        for dtype, shift in ((torch.float32, 0), (torch.bfloat16, 3)):
+            got = compiled.mxfp8_dequantize_grouped_compiled(data, scale, group_sizes, dtype, shift)
+            row_to_block, _ = mxfp8.group_block_index(group_sizes)
+            raised = (mxfp8.e8m0_to_float(scale) * 2.0**shift)[row_to_block]
+            torch.testing.assert_close(got, (mxfp8.decode_e4m3(data) * raised).to(dtype), rtol=0, atol=0, equal_nan=True)
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        if i == 0:
+            compiles_before = frames
+        else:
+            assert frames == compiles_before, f"split {sizes} recompiled"

@@ -39,16 +39,19 @@ def test_compiled_routes_every_dense_quantization_to_the_compiled_kernels(monkey
                         lambda x, axis, block_size, scale_alg: calls.append("mx") or mxfp8.quantize(x, axis, block_size, scale_alg))
     monkeypatch.setattr(compiled, "quantize_dual_compiled",
                         lambda x, block_size, scale_alg: calls.append("dual") or mxfp8.quantize_dual(x, block_size, scale_alg))
+    monkeypatch.setattr(compiled, "quantize_grouped_compiled",
+                        lambda x, sizes, block_size, scale_alg: calls.append("ragged") or mxfp8.quantize_grouped(
+                            x, sizes, block_size, scale_alg))
     monkeypatch.setattr(compiled, "hif8_quantize_compiled",
                         lambda x, scale: calls.append("hif8") or hif8.quantize(x, scale))
     monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "compiled")
     x = torch.randn(64, 64)
     ops.mxfp8_quantize(x, axis=-2)
     ops.mxfp8_quantize_dual(x)
-    ops.mxfp8_quantize_grouped(x, torch.tensor([20, 44]))  # ragged: eager under "compiled"
+    ops.mxfp8_quantize_grouped(x, torch.tensor([20, 44]))
     codes, scale = ops.hif8_quantize(x, 15.0)
     ops.hif8_quantize_with_scale(x, scale)
-    assert calls == ["mx", "dual", "hif8", "hif8"]
+    assert calls == ["mx", "dual", "ragged", "hif8", "hif8"]
     assert torch.equal(codes, hif8.quantize(x, hif8.current_scale(x.abs().amax(), 15.0)))
 
 
@@ -75,13 +78,16 @@ def test_linear_step_with_compiled_kernels_matches_eager_bitwise(monkeypatch, re
         assert torch.equal(a, b)
 
 
-def test_compiled_also_decodes_dense_operands_compiled(monkeypatch):
+def test_compiled_also_decodes_every_operand_compiled(monkeypatch):
     from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer
 
     calls = []
     monkeypatch.setattr(compiled, "mxfp8_dequantize_compiled",
                         lambda data, scale, axis, bs, dtype, shift: calls.append(("mx", axis)) or mxfp8.dequantize(data, scale, axis, bs).to(dtype))
     monkeypatch.setattr(compiled, "hif8_decode_compiled", lambda codes, dtype: calls.append(("hif8",)) or hif8.decode(codes).to(dtype))
+    monkeypatch.setattr(compiled, "mxfp8_dequantize_grouped_compiled",
+                        lambda data, scale, sizes, dtype, shift: calls.append(("ragged",)) or mxfp8.dequantize_grouped(
+                            data, scale, sizes).to(dtype))
     x = torch.randn(64, 96)
     row = MXFP8Quantizer().quantize(x, orientation="row")
     col = MXFP8Quantizer().quantize(x, orientation="col")
@@ -91,6 +97,30 @@ def test_compiled_also_decodes_dense_operands_compiled(monkeypatch):
     monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "compiled")
     assert calls == []
     routed = [emulation.decode(op) for op in (row, col, ragged, codes)]
-    assert calls == [("mx", -1), ("mx", -2), ("hif8",)]  # the ragged col stays eager
+    assert calls == [("mx", -1), ("mx", -2), ("ragged",), ("hif8",)]
     for a, b in zip(eager, routed):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_experts_step_with_compiled_kernels_matches_eager_bitwise(monkeypatch, recipe):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(90, 128, generator=gen).to(torch.bfloat16)
+    torch.manual_seed(0)
+    experts = te_npu.TEGroupedSwiGLUExperts(4, 128, 64, params_dtype=torch.bfloat16)
+
+    def step(splits):
+        experts.zero_grad()
+        inp = x.clone().requires_grad_(True)
+        with te_npu.autocast(recipe=recipe):
+            out = experts(inp, splits)
+        out.float().square().sum().backward()
+        return [out.detach(), inp.grad] + [p.grad for p in experts.parameters()]
+
+    for splits in ([40, 0, 17, 33], [2, 70, 18, 0]):  # a routing change: no recompile needed
+        monkeypatch.delenv(emulation.QUANT_KERNEL_ENV, raising=False)
+        eager = step(splits)
+        monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "compiled")
+        for a, b in zip(eager, step(splits), strict=True):
+            assert torch.equal(a, b)
