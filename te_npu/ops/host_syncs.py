@@ -68,7 +68,9 @@ class _SyncMode(TorchDispatchMode):
 @contextlib.contextmanager
 def count_host_syncs() -> Iterator[HostSyncs]:
     """Count host syncs (see the module docstring) made inside the block, forward and backward
-    alike (autograd's engine runs backward ops on this thread for CPU tensors)."""
+    alike (autograd's engine runs backward ops on this thread for CPU tensors). A diagnostic:
+    ``Tensor.tolist`` is patched process-wide for the block's duration (not thread-safe), and
+    reads inside C++ kernels or from other threads are not seen."""
     syncs = HostSyncs()
     original_tolist = torch.Tensor.tolist
 
