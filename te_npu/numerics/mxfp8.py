@@ -217,13 +217,18 @@ def quantize_dual(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: s
 
 
 # ----------------------------------------------------------------------------- ragged blocks
+def ragged_block_count(group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> int:
+    """Blocks of a ragged col operand, ``sum(ceil(T_g / bs))``, from the sizes' host mirror."""
+    return sum(-(-s // block_size) for s in host_group_sizes(group_sizes))
+
+
 def _group_layout(group_sizes: torch.Tensor, num_rows: int, block_size: int):
     """Per row: (block index, row in the zero-padded layout); plus the number of blocks.
 
     Groups are padded to multiples of ``block_size``; padded row = block * bs + offset in block.
     """
     sizes = host_group_sizes(group_sizes)  # the host mirror, if any: no sync
-    num_blocks = sum(-(-s // block_size) for s in sizes)
+    num_blocks = ragged_block_count(group_sizes, block_size)
     if sum(sizes) != num_rows:
         raise ValueError(f"group_sizes sum to {sum(sizes)}, operand has {num_rows} rows")
     group_sizes = group_sizes.to(torch.int64)

@@ -10,6 +10,7 @@ import math
 import torch
 
 from te_npu.formats import Format
+from te_npu.numerics import mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
 from te_npu.numerics.groups import host_group_sizes
 from te_npu.tensor.operand import QuantizedOperand
@@ -31,7 +32,7 @@ _SCALE_DTYPE = {Format.MXFP8_E4M3: torch.uint8, Format.HIF8: torch.float32}
 
 def mxfp8_num_blocks(group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> int:
     """Blocks of a ragged ``col`` operand: each group's rows in ``ceil(T_g / 32)`` blocks."""
-    return sum(-(-s // block_size) for s in host_group_sizes(group_sizes))
+    return mxfp8.ragged_block_count(group_sizes, block_size)
 
 
 def _shape(op: QuantizedOperand) -> tuple[int, ...]:
