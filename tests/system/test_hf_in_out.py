@@ -7,8 +7,8 @@ One spawned 2-rank job (``_hf_job``) runs, in fresh Trainers of the same process
   DCP step and an HF export (``last_save_format: hf``); then ``scripts/convert_checkpoint.py
   dcp-to-hf`` exports the saved step, and ``hf-to-dcp`` turns the HF directory into a step-0
   DCP checkpoint that a third Trainer resumes from;
-- ``mxfp8``: MXFP8 recipe, FP32 parameters, started from a stacked single-file directory
-  (``save_original_format=False``); one step.
+- ``mxfp8`` / ``hif8``: the 8-bit recipes, FP32 parameters, started from a stacked single-file
+  directory (``save_original_format=False``) / the per-expert shards; one step each.
 
 The parent holds the transformers model and checks the numbers against it.
 """
@@ -95,16 +95,17 @@ def _hf_job(rank, world, workdir, data_dir, dirs):
         out["from_hf_start"] = _masters_and_buffers(trainer)
     finally:
         trainer.close()
-    # ---- mxfp8: start from stacked single-file HF -------------------------------------------------
-    cfg = _cfg("mxfp8", work / "mxfp8", data_dir, f"checkpoint.initial_load_path={dirs['stacked']}")
-    trainer, _ = H._trainer(cfg, [])
-    try:
-        trainer.setup(cfg)
-        out["mxfp8_start"] = _masters_and_buffers(trainer)
-        out["mxfp8_batch"] = _first_batch(trainer)
-        out["mxfp8_record"] = H._record(trainer.train_step())
-    finally:
-        trainer.close()
+    # ---- 8-bit: MXFP8 from the stacked single file, HiF8 from the per-expert shards --------------
+    for fmt, layout in (("mxfp8", "stacked"), ("hif8", "per_expert")):
+        cfg = _cfg(fmt, work / fmt, data_dir, f"checkpoint.initial_load_path={dirs[layout]}")
+        trainer, _ = H._trainer(cfg, [])
+        try:
+            trainer.setup(cfg)
+            out[f"{fmt}_start"] = _masters_and_buffers(trainer)
+            out[f"{fmt}_batch"] = _first_batch(trainer)
+            out[f"{fmt}_record"] = H._record(trainer.train_step())
+        finally:
+            trainer.close()
     return out
 
 
@@ -131,7 +132,7 @@ def _hf_truth(hf):
     return {k: v.detach() for k, v in from_hf_state_dict(hf.state_dict()).items()}
 
 
-@pytest.mark.parametrize("phase", ["fp32", "mxfp8", "from_hf"])
+@pytest.mark.parametrize("phase", ["fp32", "mxfp8", "hif8", "from_hf"])
 def test_hf_start_masters_equal_hf_weights_bitwise(hf_job, phase):
     truth = _hf_truth(hf_job["hf"])
     for rank in hf_job["ranks"]:
@@ -150,11 +151,12 @@ def test_hf_start_first_step_loss_equals_hf_fp32(hf_job):
     assert [r["step"] for r in ranks[0]["fp32_records"]] == list(range(1, STEPS + 1))
 
 
-def test_hf_start_first_step_loss_mxfp8_within_two_percent(hf_job):
+@pytest.mark.parametrize("fmt", ["mxfp8", "hif8"])
+def test_hf_start_first_step_loss_8bit_within_two_percent(hf_job, fmt):
     ranks = hf_job["ranks"]
-    ours = ranks[0]["mxfp8_record"]["lm_loss"]
-    theirs = sum(_hf_loss(hf_job["hf"], r["mxfp8_batch"]) for r in ranks) / len(ranks)
-    assert abs(ours - theirs) <= 0.02 * theirs, (ours, theirs)
+    ours = ranks[0][f"{fmt}_record"]["lm_loss"]
+    theirs = sum(_hf_loss(hf_job["hf"], r[f"{fmt}_batch"]) for r in ranks) / len(ranks)
+    assert ours != theirs and abs(ours - theirs) <= 0.02 * theirs, (ours, theirs)
 
 
 def test_hf_start_each_rank_reads_only_its_shards(hf_job):
@@ -296,3 +298,10 @@ def test_hf_start_is_ignored_when_the_run_resumes(tmp_path, st_data_dir):
         trainer.close()
     assert any("resumed from checkpoint at iteration 0" in line for line in lines), lines
     assert not any("Hugging Face" in line for line in lines), lines
+
+
+def test_hf_start_config_keys_are_validated(tmp_path, st_data_dir):
+    with pytest.raises(ConfigError, match=r"checkpoint\.initial_load_format: 'dcp' is not supported"):
+        _cfg("bf16", tmp_path, st_data_dir, "checkpoint.initial_load_format=dcp")
+    with pytest.raises(ConfigError, match=r"checkpoint\.export_dtype: 'fp8' is not supported"):
+        _cfg("bf16", tmp_path, st_data_dir, "checkpoint.export_dtype=fp8")
