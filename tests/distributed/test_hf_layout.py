@@ -89,3 +89,22 @@ def test_hf_layout_shard_that_splits_an_expert_is_refused():
     with pytest.raises(ConfigError, match="splits it; per-expert keys need whole experts"):
         _local_piece(local, (0, 0, 0), (E, 2 * F, D), piece, "t")
     assert _local_piece(torch.zeros(E // 2, 2 * F, D), (E // 2, 0, 0), (E, 2 * F, D), piece, "t") is None
+
+
+def test_hf_layout_16b_save_pretrained_keys_fit_the_16b_model():
+    """The 16B recipe's path: a per-expert (``save_pretrained``) 16B checkpoint's keys and shapes
+    match the model built on meta, and its config.json passes the adapter (no data involved)."""
+    from models.deepseek_v3 import DSV3_16B, DeepseekV3ForCausalLM
+    from models.deepseek_v3.config import to_hf_config_dict
+    from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter, to_hf_state_dict
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DSV3_16B, dtype=torch.bfloat16)
+    state = model.state_dict()
+    on_disk = {k: HFStoredTensor(tuple(t.shape), torch.bfloat16) for k, t in to_hf_state_dict(state, per_expert=True).items()}
+    assert sum(k.endswith("experts.63.down_proj.weight") for k in on_disk) == DSV3_16B.num_hidden_layers - 1
+    plan = plan_hf_read({k: tuple(t.shape) for k, t in state.items()}, on_disk, HF_KEY_MAP, where="16b")
+    assert sum(p is not None for p in plan.values()) == 2 * (DSV3_16B.num_hidden_layers - 1)
+    DeepseekV3HFAdapter(DSV3_16B).check_config({**to_hf_config_dict(DSV3_16B), "max_position_embeddings": 163840})
+    with pytest.raises(ConfigError, match=r"kv_lora_rank = 512 \(the model has 3072\)"):
+        DeepseekV3HFAdapter(DSV3_16B).check_config({**to_hf_config_dict(DSV3_16B), "kv_lora_rank": 512})
