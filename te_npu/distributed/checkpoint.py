@@ -98,7 +98,8 @@ def load(
     if optimizer is not None:  # the masters are authoritative: weights are rebuilt from them
         state["model"] = {fqn: t for fqn, t in state["model"].items() if fqn in buffers}
     else:
-        state["model"] = {fqn: t for fqn, t in state["model"].items() if fqn in buffers or fqn not in persistent_buffers(model)}
+        all_buffers = persistent_buffers(model)
+        state["model"] = {fqn: t for fqn, t in state["model"].items() if fqn in buffers or fqn not in all_buffers}
     dcp.load(state, checkpoint_id=path)
     if optimizer is not None:
         optimizer.rebuild_weights_from_masters()

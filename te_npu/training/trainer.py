@@ -114,7 +114,8 @@ class Trainer:
         self.recipe = cfg.low_precision.recipe
         validate_parallel_config(comm_fusion=cfg.fsdp_config.comm_fusion)
         _check_resume_path(cfg.checkpoint)  # a non-DCP resume path fails here, before anything is built
-        resuming = cfg.checkpoint.resume is True or (cfg.checkpoint.resume == "auto" and _has_checkpoint(cfg.checkpoint.dir))
+        c = cfg.checkpoint
+        resuming = c.resume is True or (c.resume == "auto" and _has_checkpoint(c.dir))
         hf_start = self._open_initial_hf(cfg) if cfg.checkpoint.initial_load_path and not resuming else None
         if cfg.checkpoint.last_save_format == "hf":  # an export the task cannot write fails now, not after training
             hf_weights.hf_adapter_of(self.task, cfg, where="checkpoint.last_save_format: hf")

@@ -101,7 +101,8 @@ def test_hf_layout_16b_save_pretrained_keys_fit_the_16b_model():
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(DSV3_16B, dtype=torch.bfloat16)
     state = model.state_dict()
-    on_disk = {k: HFStoredTensor(tuple(t.shape), torch.bfloat16) for k, t in to_hf_state_dict(state, per_expert=True).items()}
+    per_expert = to_hf_state_dict(state, per_expert=True)
+    on_disk = {k: HFStoredTensor(tuple(t.shape), torch.bfloat16) for k, t in per_expert.items()}
     assert sum(k.endswith("experts.63.down_proj.weight") for k in on_disk) == DSV3_16B.num_hidden_layers - 1
     plan = plan_hf_read({k: tuple(t.shape) for k, t in state.items()}, on_disk, HF_KEY_MAP, where="16b")
     assert sum(p is not None for p in plan.values()) == 2 * (DSV3_16B.num_hidden_layers - 1)

@@ -15,7 +15,6 @@ The parent holds the transformers model and checks the numbers against it.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
