@@ -5,28 +5,73 @@ Our parameter names are HF's in-memory names (transformers 5.x keeps routed expe
 On disk, ``save_pretrained`` (checked with transformers 5.24) writes one tensor per expert:
 ``mlp.experts.{e}.gate_proj.weight [F, D]``, ``.up_proj.weight [F, D]``, ``.down_proj.weight [D, F]``;
 ``from_pretrained`` re-stacks them (the "qwen2_moe" conversion in ``conversion_mapping.py``).
-Both layouts are accepted here; checkpoints are written in the on-disk one.
+Both layouts are accepted here; checkpoints are written in the on-disk one. transformers keeps
+the router (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``) in FP32 whatever the
+model dtype (``_keep_in_fp32_modules_strict``), and so does an export.
+
+``HF_KEY_MAP`` is the whole mapping, declared once; ``DeepseekV3HFAdapter`` hands it (and the
+``config.json`` rules) to te_npu's sharded reader / writer through the Trainer's task, and the
+single-process helpers below use the same declaration.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import re
 from collections import defaultdict
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 import te_npu
-from models.deepseek_v3.config import to_hf_config_dict
+from models.deepseek_v3.config import DeepseekV3Config, from_hf_config, to_hf_config_dict
+from te_npu.distributed.hf_checkpoint import load_hf_weights, open_hf_checkpoint, save_hf_weights
+from te_npu.distributed.hf_layout import HFKeyMap, StackedExperts
 
-__all__ = ["to_hf_state_dict", "from_hf_state_dict", "load_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = [
+    "HF_KEY_MAP", "DeepseekV3HFAdapter", "to_hf_state_dict", "from_hf_state_dict", "load_hf_checkpoint",
+    "save_hf_checkpoint",
+]
 
+_EXPERTS = r"(?P<experts>model\.layers\.\d+\.mlp\.experts)"
+HF_KEY_MAP = HFKeyMap(
+    stacked_experts=(
+        StackedExperts(_EXPERTS + r"\.gate_up_proj",
+                       ("{experts}.{expert}.gate_proj.weight", "{experts}.{expert}.up_proj.weight")),
+        StackedExperts(_EXPERTS + r"\.down_proj", ("{experts}.{expert}.down_proj.weight",)),
+    ),
+    keep_fp32=(r"\.mlp\.gate\.weight$", r"\.mlp\.gate\.e_score_correction_bias$"),
+)
+"""Our FQN -> HF keys. Every other tensor's HF key is its own FQN."""
+
+# Fields that do not change the weights' meaning: a checkpoint may differ from the model here.
+_NON_ARCHITECTURE_FIELDS = frozenset({"initializer_range", "max_position_embeddings", "bos_token_id", "eos_token_id"})
 _PER_EXPERT_KEY = re.compile(
     r"^(?P<prefix>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
-_INDEX_FILE = "model.safetensors.index.json"
-_SINGLE_FILE = "model.safetensors"
+
+
+class DeepseekV3HFAdapter:
+    """te_npu's HF adapter (``te_npu.training.hf_weights.HFAdapter``) for one model config."""
+
+    key_map = HF_KEY_MAP
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        self.config = config
+
+    def config_json(self, dtype: torch.dtype) -> dict[str, Any]:
+        """The ``config.json`` of an export in ``dtype``."""
+        return to_hf_config_dict(self.config, dtype=str(dtype).removeprefix("torch."))
+
+    def check_config(self, hf_config: Mapping[str, Any]) -> None:
+        """Raise ``ConfigError`` naming each field where ``hf_config`` describes another model
+        (unknown or unsupported fields fail in ``from_hf_config``, naming the field)."""
+        theirs = from_hf_config(hf_config)
+        diffs = [f"{f.name} = {getattr(theirs, f.name)!r} (the model has {getattr(self.config, f.name)!r})"
+                 for f in dataclasses.fields(DeepseekV3Config)
+                 if f.name not in _NON_ARCHITECTURE_FIELDS and getattr(theirs, f.name) != getattr(self.config, f.name)]
+        if diffs:
+            raise te_npu.ConfigError("config.json does not describe the model being trained: " + "; ".join(diffs))
 
 
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], *, per_expert: bool = False) -> dict[str, torch.Tensor]:
@@ -35,17 +80,11 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], *, per_expert: bool
         return dict(state_dict)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix, F = name[: -len(".gate_up_proj")], tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :F]
-                out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, F:]
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
-        else:
+        pieces = HF_KEY_MAP.pieces(name, tuple(tensor.shape))
+        if pieces is None:
             out[name] = tensor
+        for p in pieces or ():
+            out[p.key] = tensor[p.expert, p.rows[0]: p.rows[1]]
     return out
 
 
@@ -92,59 +131,23 @@ def load_state_dict_strict_(model: nn.Module, state_dict: Mapping[str, torch.Ten
         target.copy_(state_dict[name])
 
 
-def _read_safetensors_dir(directory: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index_path = os.path.join(directory, _INDEX_FILE)
-    if os.path.exists(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(directory, _SINGLE_FILE)):
-        files = [_SINGLE_FILE]
-    else:
-        raise FileNotFoundError(f"{directory}: neither {_INDEX_FILE} nor {_SINGLE_FILE}")
-    state_dict: dict[str, torch.Tensor] = {}
-    for file in files:
-        state_dict.update(load_file(os.path.join(directory, file)))
-    return state_dict
-
-
 def load_hf_checkpoint(model: nn.Module, directory: str | os.PathLike) -> None:
-    """Load an HF safetensors directory (single file or sharded with an index) into ``model``."""
-    load_state_dict_strict_(model, from_hf_state_dict(_read_safetensors_dir(os.fspath(directory))))
+    """Load an HF safetensors directory (single file or sharded with an index, either expert
+    layout) into a materialized, unsharded ``model``; its ``config.json`` must match the model."""
+    where = f"load_hf_checkpoint({os.fspath(directory)!r})"
+    checkpoint = open_hf_checkpoint(directory, where=where)
+    try:
+        DeepseekV3HFAdapter(model.config).check_config(checkpoint.config)
+    except te_npu.ConfigError as exc:
+        raise te_npu.ConfigError(f"{where}: {exc}") from None
+    load_hf_weights(checkpoint, model.state_dict(), HF_KEY_MAP, where=where)
 
 
-def save_hf_checkpoint(model: nn.Module, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30) -> None:
+def save_hf_checkpoint(model: nn.Module, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+                       dtype: torch.dtype | None = None) -> None:
     """Write ``config.json`` and per-expert safetensors (sharded past ``max_shard_bytes``, with
-    ``model.safetensors.index.json``) that HF ``DeepseekV3ForCausalLM.from_pretrained`` loads."""
-    from safetensors.torch import save_file
-
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(to_hf_config_dict(model.config, dtype=dtype), f, indent=2)
-    tensors = to_hf_state_dict(model.state_dict(), per_expert=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        tensor = tensor.detach().to("cpu")
-        if tensor.untyped_storage().nbytes() != size:  # a view into an expert stack: own its storage
-            tensor = tensor.clone()
-        shards[-1][name] = tensor
-        shard_bytes += size
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, _SINGLE_FILE), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(directory, _INDEX_FILE), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    ``model.safetensors.index.json``) that HF ``DeepseekV3ForCausalLM.from_pretrained`` loads.
+    dtype: on disk (default: the model's ``lm_head`` dtype); the router stays FP32."""
+    dtype = dtype or model.lm_head.weight.dtype
+    save_hf_weights(directory, model.state_dict(), HF_KEY_MAP, DeepseekV3HFAdapter(model.config).config_json(dtype),
+                    dtype=dtype, max_shard_bytes=max_shard_bytes)

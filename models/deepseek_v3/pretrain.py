@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.deepseek_v3.config import DSV3_16B, DSV3_TINY, DeepseekV3Config, from_hf_config, to_hf_config_dict, validate_16b
+from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter
 from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, low_precision_scope, materialize_
 from te_npu.training.config import TrainConfig, load_config
 from te_npu.training.trainer import Trainer
@@ -48,6 +49,10 @@ class DeepseekV3Task:
 
     def low_precision_scope(self, model: nn.Module) -> list[str]:
         return low_precision_scope(model)
+
+    def hf_adapter(self, cfg: TrainConfig) -> DeepseekV3HFAdapter:
+        """Hugging Face key mapping and config.json rules (``checkpoint.initial_load_path``, exports)."""
+        return DeepseekV3HFAdapter(model_config(cfg))
 
     def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # The data pipeline gives labels already shifted (labels[s] = next token of input_ids[s]),

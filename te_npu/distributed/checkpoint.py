@@ -3,7 +3,7 @@
 Layout of ``dir`` (one sub-directory per step, written atomically)::
 
     dir/step_{N}/           DCP files (.metadata + shards) of
-                              model.<fqn>               BF16 logical weights (param dtype)
+                              model.<fqn>               BF16 logical weights (param dtype), persistent buffers
                               optim.<fqn>.master        FP32 master shard
                               optim.<fqn>.exp_avg       FP32
                               optim.<fqn>.exp_avg_sq    FP32
@@ -37,7 +37,7 @@ from te_npu.errors import ConfigError
 from te_npu.distributed.optim import MasterWeightOptimizer, refresh_low_precision_weights
 from te_npu.tensor import QuantizedWeightTensor
 
-__all__ = ["save", "load", "latest_checkpoint"]
+__all__ = ["save", "load", "latest_checkpoint", "persistent_buffers"]
 
 _LATEST = "latest"
 _META = "te_npu.json"
@@ -94,8 +94,12 @@ def load(
     """
     path = latest_checkpoint(directory)
     state = _state_dict(model, optimizer, for_save=False)
-    if optimizer is not None:
-        del state["model"]  # the masters are authoritative: weights are rebuilt from them
+    buffers = _saved_buffers(model, path)
+    if optimizer is not None:  # the masters are authoritative: weights are rebuilt from them
+        state["model"] = {fqn: t for fqn, t in state["model"].items() if fqn in buffers}
+    else:
+        all_buffers = persistent_buffers(model)
+        state["model"] = {fqn: t for fqn, t in state["model"].items() if fqn in buffers or fqn not in all_buffers}
     dcp.load(state, checkpoint_id=path)
     if optimizer is not None:
         optimizer.rebuild_weights_from_masters()
@@ -145,10 +149,27 @@ def _state_dict(model: nn.Module, optimizer: MasterWeightOptimizer | None, *, fo
             model_view[fqn] = _high_precision_like(param)
         else:
             model_view[fqn] = param.detach()
+    model_view.update(persistent_buffers(model))  # persistent buffers (a router's selection bias) are model state too
     state: dict[str, Any] = {"model": model_view}
     if optimizer is not None:
         state["optim"] = {fqn: optimizer.state_for(fqn) for fqn in optimizer.masters}
     return state
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of ``model`` by FQN (live tensors: DCP loads into them)."""
+    return {
+        f"{prefix}.{name}" if prefix else name: buffer
+        for prefix, module in model.named_modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    }
+
+
+def _saved_buffers(model: nn.Module, path: str) -> set[str]:
+    """Buffers of ``model`` that the checkpoint holds (checkpoints before buffers were saved hold none)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {fqn for fqn in persistent_buffers(model) if f"model.{fqn}" in saved}
 
 
 def _high_precision_like(param: torch.Tensor) -> torch.Tensor:

@@ -186,13 +186,26 @@ class ActivationCheckpointConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """DCP checkpoints. ``interval`` 0 disables saving; ``keep_last`` 0 keeps every one;
-    ``resume``: false, true (a checkpoint must exist) or ``auto`` (resume if one exists)."""
+    ``resume``: false, true (a checkpoint must exist) or ``auto`` (resume if one exists).
+
+    Hugging Face in and out: ``initial_load_path`` (an HF safetensors directory, format
+    ``initial_load_format: hf``) starts a run that does not resume from it: its weights become
+    the FP32 masters; a run that resumes ignores it. ``last_save_format: hf`` also exports the
+    final weights as an HF directory (``export_dir``, default ``<dir>/hf/step_<N>``) in
+    ``export_dtype``, files of at most ``export_max_shard_mb`` MiB, next to the final DCP save.
+    """
 
     dir: str = "checkpoints"
     interval: int = _f(0, ge=0)
     resume: bool | Literal["auto"] = False
     format: Literal["dcp"] = _f("dcp", reason=f"only high-precision DCP checkpoints are supported, {_SPEC_15}")
     keep_last: int = _f(0, ge=0)
+    initial_load_path: str | None = None
+    initial_load_format: Literal["hf"] = _f("hf", reason="a run starts from a Hugging Face safetensors directory")
+    last_save_format: Literal["dcp", "hf"] = "dcp"
+    export_dir: str | None = None
+    export_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    export_max_shard_mb: int = _f(5000, ge=1)
 
 
 @dataclass(frozen=True)

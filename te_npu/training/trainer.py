@@ -39,6 +39,7 @@ from te_npu.distributed.sharding import TE_MODULE_TYPES
 from te_npu.errors import ConfigError
 from te_npu.modules.base import assign_fqns
 from te_npu.ops import observe, require_low_precision
+from te_npu.training import hf_weights
 from te_npu.training.config import TrainConfig
 from te_npu.training.data import TokenBatcher, build_datasets, validation_batches
 from te_npu.training.metrics_log import MetricsLogger, peak_memory_mb
@@ -72,6 +73,9 @@ class TrainTask(Protocol):
 
     def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Scalar training loss of one micro-batch."""
+
+    # Optional: ``hf_adapter(cfg) -> te_npu.training.hf_weights.HFAdapter`` lets the run start
+    # from (``checkpoint.initial_load_path``) and export to (``last_save_format: hf``) Hugging Face.
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,11 @@ class Trainer:
         self.recipe = cfg.low_precision.recipe
         validate_parallel_config(comm_fusion=cfg.fsdp_config.comm_fusion)
         _check_resume_path(cfg.checkpoint)  # a non-DCP resume path fails here, before anything is built
+        c = cfg.checkpoint
+        resuming = c.resume is True or (c.resume == "auto" and _has_checkpoint(c.dir))
+        hf_start = self._open_initial_hf(cfg) if cfg.checkpoint.initial_load_path and not resuming else None
+        if cfg.checkpoint.last_save_format == "hf":  # an export the task cannot write fails now, not after training
+            hf_weights.hf_adapter_of(self.task, cfg, where="checkpoint.last_save_format: hf")
         self._init_distributed()
         if self.recipe is not None:
             require_low_precision(self.recipe.format, self.device)  # only touches torch_npu on npu
@@ -119,6 +128,8 @@ class Trainer:
         with torch.device("meta"):
             model = self.task.build(cfg, self.dtype)
         self.task.validate(model, cfg)
+        if hf_start is not None:
+            hf_weights.check_initial_keys(hf_start, model, self._hf_adapter)  # before any memory is allocated
         self.task.materialize(model, seed=t.seed, device=self.device, dtype=self.dtype)
         assign_fqns(model)
         initial = finalize_low_precision_weights(model, self.recipe) if self.recipe is not None else {}
@@ -150,6 +161,8 @@ class Trainer:
         if self.probe is not None:
             self.probe.on_setup(model, self.task.low_precision_scope(model))
             self.optimizer.add_refresh_hook(self.probe.on_refresh)
+        if hf_start is not None:
+            self._load_initial_hf(hf_start)
 
         self._setup_data()
         self.logger = MetricsLogger(
@@ -305,6 +318,8 @@ class Trainer:
                 self.save_dcp()
         if records:
             self.save_dcp()
+            if c.last_save_format == "hf":
+                self.save_hf()
         if self.cfg.logging.plot and self.rank == 0:
             self._plot()
         return records
@@ -332,6 +347,29 @@ class Trainer:
             torch.set_rng_state(extra["rng"])
         self._print_rank0(f" resumed from checkpoint at iteration {self.global_step}")
         return self.global_step
+
+    def save_hf(self, directory: str | None = None) -> str:
+        """Export the FP32 masters (cast to ``checkpoint.export_dtype``) and buffers as a Hugging
+        Face directory (default ``checkpoint.export_dir`` or ``<checkpoint.dir>/hf/step_<N>``)."""
+        c = self.cfg.checkpoint
+        directory = directory or c.export_dir or os.path.join(c.dir, "hf", f"step_{self.global_step}")
+        adapter = hf_weights.hf_adapter_of(self.task, self.cfg, where="checkpoint.last_save_format: hf")
+        report = hf_weights.export_weights(directory, self.model, self.optimizer, adapter, dtype=c.export_dtype,
+                                           max_shard_mb=c.export_max_shard_mb, progress=self.rank == 0)
+        self._print_rank0(f" exported Hugging Face weights at iteration {self.global_step} to {report.directory} "
+                          f"({len(report.files)} file(s), {report.total_bytes / 2**20:.1f} MiB, {c.export_dtype})")
+        return report.directory
+
+    def _open_initial_hf(self, cfg: TrainConfig):
+        self._hf_adapter = hf_weights.hf_adapter_of(self.task, cfg, where="checkpoint.initial_load_path")
+        return hf_weights.open_initial_checkpoint(cfg.checkpoint.initial_load_path, self._hf_adapter)
+
+    def _load_initial_hf(self, checkpoint) -> None:
+        report = hf_weights.load_initial_weights(checkpoint, self.model, self.optimizer, self._hf_adapter,
+                                                 progress=self.rank == 0)
+        self.hf_read_report = report
+        self._print_rank0(f" started from Hugging Face weights {checkpoint.path}: rank 0 read "
+                          f"{report.bytes_read / 2**20:.1f} of {report.checkpoint_bytes / 2**20:.1f} MiB (its shards)")
 
     def close(self) -> None:
         """Close logs; tear down the process group if this trainer created it."""

@@ -238,6 +238,7 @@ def _run(cfg, steps: int, *, save_at: int | None = None, save_dir: str | None = 
             "optimizer_dtypes": _optimizer_dtypes(trainer),
             "replicated": dict(trainer.shard_plan.replicated) if trainer.shard_plan else {},
             "param_names": [name for name, _ in trainer.model.named_parameters()],
+            "buffer_names": [n for n in trainer.model.state_dict() if n not in dict(trainer.model.named_parameters())],
             "lines": lines,
         }
     finally:

@@ -47,8 +47,10 @@ def _check_checkpoint_contents(run):
     params = run["ranks"][0]["main"]["param_names"]
     weights = run["ranks"][0]["main"]["weights"]
     masters = run["ranks"][0]["main"]["optimizer_dtypes"]
-    expected = {f"model.{p}" for p in params} | {f"optim.{f}.{k}" for f in masters for k in OPTIM_KEYS}
-    assert set(metadata) == expected  # model parameter names + optimizer state, nothing derived
+    buffers = run["ranks"][0]["main"]["buffer_names"]
+    assert buffers and all(b.endswith(".mlp.gate.e_score_correction_bias") for b in buffers)
+    expected = {f"model.{p}" for p in [*params, *buffers]} | {f"optim.{f}.{k}" for f in masters for k in OPTIM_KEYS}
+    assert set(metadata) == expected  # model parameters and buffers + optimizer state, nothing derived
     for key, entry in metadata.items():
         assert isinstance(entry, TensorStorageMetadata), key
         assert entry.properties.dtype in (torch.bfloat16, torch.float32), (key, entry.properties.dtype)

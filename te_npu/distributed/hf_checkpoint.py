@@ -1,0 +1,346 @@
+"""Hugging Face safetensors directories in and out of a sharded model, through DCP's HF storage.
+
+Reading (``open_hf_checkpoint`` then ``load_hf_weights``): the directory is checked first
+(a directory, ``config.json``, ``*.safetensors`` that agree with ``model.safetensors.index.json``),
+then every key and shape against the model (``hf_layout.plan_hf_read``), and only then does
+``torch.distributed.checkpoint.load`` run with ``HuggingFaceStorageReader``. Each target is
+either one of the model's tensors itself (a DTensor shard or a plain tensor, any dtype: values
+are cast on copy, so a BF16 file lands exactly in FP32 masters) or, for per-expert keys, a view
+into the rank's own local experts. DCP's planner then asks safetensors for exactly the slices
+each rank holds (``get_slice``: only those bytes are read); ``HFReadReport`` records what each
+rank read.
+
+Writing (``save_hf_weights``): every rank writes its own shards with
+``HuggingFaceStorageWriter(save_distributed=True)`` into ``<dir>.tmp/sharded`` (per-expert keys:
+the rank's local experts only; replicated tensors are deduplicated by DCP), then the ranks
+consolidate the output files between them (file ``i`` on rank ``(i - 1) % world``, torch's
+``_consolidate_hf_safetensors``, one tensor in memory at a time), rank 0 writes
+``model.safetensors.index.json`` and ``config.json`` and renames ``<dir>.tmp`` to ``<dir>``:
+no rank gathers the model, and a save that dies leaves no half-written ``<dir>``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor
+
+from te_npu.distributed.hf_layout import HFKeyMap, HFPiece, HFStoredTensor, plan_hf_read, plan_hf_write
+from te_npu.distributed.progress import ProgressBar
+from te_npu.errors import ConfigError
+
+__all__ = [
+    "HFCheckpoint",
+    "HFRead",
+    "HFReadReport",
+    "HFWriteReport",
+    "open_hf_checkpoint",
+    "load_hf_weights",
+    "save_hf_weights",
+    "hf_file_names",
+]
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """A checked HF checkpoint directory: its ``config.json`` and every stored tensor's header."""
+
+    path: str
+    config: Mapping[str, Any]
+    files: tuple[str, ...]
+    stored: Mapping[str, HFStoredTensor]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(_numel(t.shape) * t.dtype.itemsize for t in self.stored.values())
+
+
+@dataclass(frozen=True)
+class HFRead:
+    """One slice DCP's planner asked the reader for: ``key[offsets : offsets + lengths]``."""
+
+    key: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class HFReadReport:
+    """What this rank read: every slice (``reads``) and their bytes, next to the checkpoint's size."""
+
+    rank: int
+    reads: list[HFRead] = field(default_factory=list)
+    checkpoint_bytes: int = 0
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+
+@dataclass(frozen=True)
+class HFWriteReport:
+    """An export: its directory, files, tensor count and bytes (the index's ``total_size``)."""
+
+    directory: str
+    files: tuple[str, ...]
+    num_tensors: int
+    total_bytes: int
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def open_hf_checkpoint(path: str | os.PathLike, *, where: str) -> HFCheckpoint:
+    """Check an HF checkpoint directory and read its headers (no tensor data).
+
+    ``where`` (e.g. ``"checkpoint.initial_load_path"``) prefixes every ``ConfigError``: not a
+    directory, no ``config.json``, no ``*.safetensors``, an index naming absent files or keys,
+    files or keys the index does not list, a key stored twice.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"{where}: {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where}: {path!r} is not a directory (a Hugging Face checkpoint is a directory "
+                          f"holding {CONFIG_FILE} and *{_SUFFIX} files)")
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"{where}: {path!r} has no {CONFIG_FILE}")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    files = sorted(n for n in os.listdir(path) if n.endswith(_SUFFIX))
+    if not files:
+        raise ConfigError(f"{where}: {path!r} has no *{_SUFFIX} file")
+    metadata = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    twice = sorted(k for k, m in metadata.items() if len(m.chunks) > 1)
+    if twice:
+        raise ConfigError(f"{where}: {path!r}: keys stored in more than one file: {twice[:20]}")
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        absent = sorted(set(weight_map.values()) - set(files))
+        unlisted = sorted(set(files) - set(weight_map.values()))
+        if absent or unlisted:
+            raise ConfigError(f"{where}: {INDEX_FILE} in {path!r} does not match the files: listed but absent "
+                              f"{absent}, present but not listed {unlisted} (every *{_SUFFIX} file is read)")
+        if set(weight_map) != set(metadata):
+            raise ConfigError(f"{where}: {INDEX_FILE} in {path!r} does not match the files' keys: indexed but not "
+                              f"stored {sorted(set(weight_map) - set(metadata))[:20]}, stored but not indexed "
+                              f"{sorted(set(metadata) - set(weight_map))[:20]}")
+    elif len(files) > 1:
+        raise ConfigError(f"{where}: {path!r} holds {len(files)} *{_SUFFIX} files but no {INDEX_FILE}")
+    stored = {k: HFStoredTensor(tuple(m.size), m.properties.dtype) for k, m in metadata.items()}
+    return HFCheckpoint(path, config, tuple(files), stored)
+
+
+def load_hf_weights(
+    checkpoint: HFCheckpoint,
+    targets: Mapping[str, torch.Tensor],
+    key_map: HFKeyMap,
+    *,
+    where: str,
+    progress: bool = False,
+    threads: int = 1,
+) -> HFReadReport:
+    """Fill ``targets`` ({our FQN: tensor}, DTensor shards or plain tensors, in place) from
+    ``checkpoint``; every rank calls it and reads only the slices of its own shards.
+
+    Raises ``ConfigError`` listing every missing / unexpected / mis-shaped key before reading,
+    and if a rank's shard would split a per-expert HF tensor (experts must be whole per rank).
+    """
+    plan = plan_hf_read({fqn: tuple(t.shape) for fqn, t in targets.items()}, checkpoint.stored, key_map, where=where)
+    state: dict[str, torch.Tensor] = {}
+    for fqn, pieces in plan.items():
+        target = targets[fqn]
+        if pieces is None:
+            state[fqn] = target
+            continue
+        local, offsets = _local_region(target)
+        for piece in pieces:
+            view = _local_piece(local, offsets, tuple(target.shape), piece, where)
+            if view is not None:
+                state[piece.key] = view
+    report = HFReadReport(_rank(), checkpoint_bytes=checkpoint.total_bytes)
+    reader = _RecordingReader(checkpoint.path, report, progress=progress, threads=threads)
+    with torch.no_grad():
+        dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+    reader.close()
+    return report
+
+
+class _RecordingReader(HuggingFaceStorageReader):
+    """``HuggingFaceStorageReader`` that records the slices DCP's plan asks for and ticks a bar."""
+
+    def __init__(self, path: str, report: HFReadReport, *, progress: bool, threads: int) -> None:
+        super().__init__(path, thread_count=threads)
+        self._report, self._progress, self._bar = report, progress, None
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            dtype = self.storage_data[item.storage_index].dtype
+            self._report.reads.append(HFRead(item.storage_index.fqn, tuple(item.storage_offsets), tuple(item.lengths),
+                                             _numel(item.lengths) * dtype.itemsize))
+        self._bar = ProgressBar(len(plan.items), "reading HF tensors", enabled=self._progress, unit="tensor")
+        return super().read_data(plan, planner)
+
+    def _process_read_request(self, f, req, planner) -> None:
+        super()._process_read_request(f, req, planner)
+        self._bar.update()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _local_region(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The local tensor of ``target`` and its offset in the global tensor, per dim."""
+    if not isinstance(target, DTensor):
+        return target, (0,) * target.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return target.to_local(), tuple(offsets)
+
+
+def _local_piece(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], piece: HFPiece,
+                 where: str) -> torch.Tensor | None:
+    """The view of ``local`` that holds ``piece`` (None if this rank holds none of it)."""
+    lo = (piece.expert, piece.rows[0], *([0] * (len(shape) - 2)))
+    hi = (piece.expert + 1, piece.rows[1], *shape[2:])
+    local_hi = tuple(o + s for o, s in zip(offsets, local.shape))
+    if any(h <= o or l >= lh for l, h, o, lh in zip(lo, hi, offsets, local_hi)):
+        return None
+    if any(l < o or h > lh for l, h, o, lh in zip(lo, hi, offsets, local_hi)):
+        raise ConfigError(f"{where}: {piece.key}: this rank's shard of {piece.fqn} {list(shape)} (offsets "
+                          f"{list(offsets)}, local {list(local.shape)}) splits it; per-expert keys need whole "
+                          "experts on each rank")
+    view = local[piece.expert - offsets[0], piece.rows[0] - offsets[1]: piece.rows[1] - offsets[1]]
+    return view[(slice(None),) + tuple(slice(l - o, h - o) for l, h, o in zip(lo[2:], hi[2:], offsets[2:]))]
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+def hf_file_names(num_files: int) -> dict[int, str]:
+    """Output file of each 1-based index: ``model.safetensors`` alone, else HF's sharded names."""
+    if num_files == 1:
+        return {1: SINGLE_FILE}
+    return {i: f"model-{i:05d}-of-{num_files:05d}{_SUFFIX}" for i in range(1, num_files + 1)}
+
+
+def save_hf_weights(
+    directory: str | os.PathLike,
+    sources: Mapping[str, torch.Tensor],
+    key_map: HFKeyMap,
+    config: Mapping[str, Any],
+    *,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 5 * 2**30,
+    per_expert: bool = True,
+    overwrite: bool = False,
+    progress: bool = False,
+    threads: int = 1,
+) -> HFWriteReport:
+    """Write ``sources`` ({our FQN: tensor}, DTensor shards or plain tensors) as an HF directory.
+
+    dtype: the tensors' dtype on disk (``key_map.keep_fp32`` FQNs stay FP32); config: the
+    ``config.json`` to write (its ``dtype`` is set to ``dtype``); per_expert: split expert
+    stacks into per-expert keys (``save_pretrained``'s layout). Every rank calls it. An existing
+    non-empty ``directory`` is replaced only with ``overwrite``.
+    """
+    final = os.path.abspath(os.fspath(directory))
+    tmp = final + ".tmp"
+    staging = os.path.join(tmp, "sharded")
+    if os.path.exists(final) and not overwrite and not (os.path.isdir(final) and not os.listdir(final)):
+        raise ConfigError(f"HF export: {final!r} already exists and is not empty (pass overwrite to replace it)")
+    entries = plan_hf_write({fqn: tuple(t.shape) for fqn, t in sources.items()}, key_map, dtype=dtype,
+                            max_shard_bytes=max_shard_bytes, per_expert=per_expert)
+    names = hf_file_names(max(e.file_index for e in entries))
+    rank, world = _rank(), _world()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an export that died
+        os.makedirs(staging)
+    _barrier()
+
+    state: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        source = sources[entry.fqn].detach()
+        if entry.piece is None:
+            state[entry.key] = source.to(entry.dtype)
+            continue
+        local, offsets = _local_region(source)
+        view = _local_piece(local, offsets, tuple(source.shape), entry.piece, "HF export")
+        if view is not None:  # an own copy: safetensors refuses tensors that share storage
+            state[entry.key] = view.to(entry.dtype, copy=True)
+    writer = HuggingFaceStorageWriter(staging, fqn_to_index_mapping={e.key: e.file_index for e in entries},
+                                      save_distributed=True, thread_count=threads)
+    dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+    del state
+    _barrier()
+
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
+
+    mine = [i for i in names if (i - 1) % world == rank]
+    with ProgressBar(len(mine), f"writing HF files (rank {rank}'s {len(mine)} of {len(names)})",
+                     enabled=progress, unit="file") as bar:
+        for index in mine:
+            mapping = {e.key: names[index] for e in entries if e.file_index == index}
+            _consolidate_safetensors_files(staging, tmp, mapping, num_threads=1)
+            bar.update()
+    _barrier()
+    total = sum(_numel(e.shape) * e.dtype.itemsize for e in entries)
+    if rank == 0:
+        if len(names) > 1:
+            weight_map = {e.key: names[e.file_index] for e in entries}
+            _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(os.path.join(tmp, CONFIG_FILE), {**config, "dtype": str(dtype).removeprefix("torch.")})
+        shutil.rmtree(staging)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    _barrier()
+    return HFWriteReport(final, tuple(names.values()), len(entries), total)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,112 @@
+"""Offline conversion between a run's DCP checkpoints and Hugging Face directories, on any ranks.
+
+``dcp_to_hf``: a te_npu DCP step (the FP32 masters, or the logical weights where a parameter
+has none, and the persistent buffers) -> an HF safetensors directory in the asked dtype.
+``hf_to_dcp``: an HF directory -> a te_npu DCP checkpoint at step 0 (masters = the HF values,
+AdamW moments zero), which ``checkpoint.resume: true`` with ``checkpoint.dir`` pointing at it
+continues exactly like ``checkpoint.initial_load_path`` would start.
+
+Both run under torchrun (every rank holds and reads 1/world of each tensor whose dim 0 divides
+evenly, the rest whole) or in one process, on CPU: no 8-bit weights and no accelerator are
+involved. ``scripts/convert_checkpoint.py`` is the command line; the model comes from the run's
+YAML config through its ``TrainTask`` (``build`` on meta, ``hf_adapter``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from te_npu.distributed import checkpoint
+from te_npu.distributed.checkpoint import persistent_buffers
+from te_npu.distributed.hf_checkpoint import HFWriteReport, save_hf_weights
+from te_npu.distributed.optim import MasterWeightOptimizer
+from te_npu.distributed.progress import ProgressBar
+from te_npu.errors import ConfigError
+from te_npu.training import hf_weights
+from te_npu.training.config import TrainConfig
+
+__all__ = ["dcp_to_hf", "hf_to_dcp"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_LOAD_BATCH = 64  # tensors per dcp.load call: the unit of the progress bar
+
+
+def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: str = "bf16",
+              max_shard_mb: int = 5000, per_expert: bool = True, overwrite: bool = False,
+              progress: bool = True) -> HFWriteReport:
+    """Export the DCP step ``checkpoint_dir`` refers to (``latest`` or a step directory) to ``out``."""
+    path = checkpoint.latest_checkpoint(checkpoint_dir)
+    adapter = hf_weights.hf_adapter_of(task, cfg, where="model")
+    with torch.device("meta"):
+        model = task.build(cfg, _DTYPES[cfg.training.param_dtype])
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    params, buffers = dict(model.named_parameters()), persistent_buffers(model)
+    keys = {fqn: f"optim.{fqn}.master" if f"optim.{fqn}.master" in saved else f"model.{fqn}" for fqn in params}
+    keys.update({fqn: f"model.{fqn}" for fqn in buffers})
+    missing = sorted(k for k in keys.values() if k not in saved)
+    shapes = {fqn: tuple(t.shape) for fqn, t in {**params, **buffers}.items()}
+    wrong = [f"{keys[f]}: checkpoint {list(saved[keys[f]].size)}, model {list(s)}"
+             for f, s in shapes.items() if keys[f] in saved and tuple(saved[keys[f]].size) != s]
+    if missing or wrong:
+        raise ConfigError(f"{path}: the DCP checkpoint does not match the model of the config: missing {missing}, "
+                          f"mis-shaped {wrong}")
+    mesh = _mesh()
+    tensors = {fqn: _sharded_zeros(shape, torch.float32, mesh) for fqn, shape in shapes.items()}
+    items = list(tensors.items())
+    batches = [items[i: i + _LOAD_BATCH] for i in range(0, len(items), _LOAD_BATCH)]
+    with ProgressBar(len(items), "reading DCP tensors", enabled=progress and _rank() == 0, unit="tensor") as bar:
+        for batch in batches:
+            dcp.load({keys[fqn]: t for fqn, t in batch}, checkpoint_id=path, no_dist=not dist.is_initialized())
+            bar.update(len(batch))
+    torch_dtype = hf_weights.EXPORT_DTYPES[dtype]
+    return save_hf_weights(out, tensors, adapter.key_map, adapter.config_json(torch_dtype), dtype=torch_dtype,
+                           max_shard_bytes=max_shard_mb * 2**20, per_expert=per_expert, overwrite=overwrite,
+                           progress=progress and _rank() == 0)
+
+
+def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool = True) -> str:
+    """Write the HF directory ``hf_dir`` as a te_npu DCP checkpoint at step 0 in ``out``; returns its path."""
+    adapter = hf_weights.hf_adapter_of(task, cfg, where="model")
+    hf = hf_weights.open_initial_checkpoint(hf_dir, adapter)
+    param_dtype = _DTYPES[cfg.training.param_dtype]
+    with torch.device("meta"):
+        model = task.build(cfg, param_dtype)
+    hf_weights.check_initial_keys(hf, model, adapter)
+    _materialize_sharded_(model, _mesh())
+    optimizer = MasterWeightOptimizer(model, lr=cfg.training.lr)  # no 8-bit weights: masters from the params
+    hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and _rank() == 0)
+    return checkpoint.save(out, model, optimizer, 0, extra=None)
+
+
+def _materialize_sharded_(model: nn.Module, mesh) -> None:
+    """Allocate a meta-built model's parameters as zero dim-0 shards (DTensors; whole where dim 0
+    does not divide) and its buffers whole, in each tensor's own dtype."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(_sharded_zeros(tuple(param.shape), param.dtype, mesh)))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None:
+                persistent = name not in module._non_persistent_buffers_set
+                module.register_buffer(name, torch.zeros(buffer.shape, dtype=buffer.dtype), persistent=persistent)
+
+
+def _sharded_zeros(shape: tuple[int, ...], dtype: torch.dtype, mesh) -> torch.Tensor:
+    if mesh is None or not shape or shape[0] % mesh.size():
+        return torch.zeros(shape, dtype=dtype)
+    local = torch.zeros((shape[0] // mesh.size(), *shape[1:]), dtype=dtype)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+
+
+def _mesh():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -1,0 +1,120 @@
+"""The Trainer's Hugging Face path: start a run from HF weights, export HF weights at its end.
+
+Where the HF values enter the build order (spec section 12: FP32 masters come from the loaded
+high-precision values, never from 8-bit weights)::
+
+    setup: ... -> [open + check the directory and config.json]        before anything is built
+           meta build -> validate -> [check every key and shape]      before any memory is allocated
+           materialize -> finalize 8-bit -> FSDP2 -> optimizer
+           -> [HF values -> FP32 master shards + buffers]             each rank reads its shards only
+           -> [8-bit shards re-quantized from the masters]            the refresh route of every step
+           -> data -> DCP resume (a run with its own ``latest`` resumes and never reads HF)
+
+The masters are DTensors sharded like their parameters, so DCP's HF reader fills each rank's
+master shard straight from the safetensors slices it needs (a BF16 file lands exactly in FP32);
+the 8-bit shards built from the random init at finalize are then re-derived from those masters
+by ``MasterWeightOptimizer.rebuild_weights_from_masters`` -- the same route as a DCP resume --
+so no 8-bit value ever feeds a master, and no rank holds the whole checkpoint.
+
+A ``TrainTask`` offers HF support through ``hf_adapter(cfg)`` returning an ``HFAdapter``; the
+model family's key mapping stays declarative on its side (te_npu never imports ``models/``).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from te_npu.distributed.checkpoint import persistent_buffers
+from te_npu.distributed.hf_checkpoint import (
+    HFCheckpoint,
+    HFReadReport,
+    HFWriteReport,
+    load_hf_weights,
+    open_hf_checkpoint,
+    save_hf_weights,
+)
+from te_npu.distributed.hf_layout import HFKeyMap, plan_hf_read
+from te_npu.distributed.optim import MasterWeightOptimizer
+from te_npu.errors import ConfigError
+
+__all__ = [
+    "HFAdapter",
+    "EXPORT_DTYPES",
+    "hf_adapter_of",
+    "open_initial_checkpoint",
+    "check_initial_keys",
+    "training_tensors",
+    "load_initial_weights",
+    "export_weights",
+]
+
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_INITIAL = "checkpoint.initial_load_path"
+
+
+class HFAdapter(Protocol):
+    """A model family's Hugging Face side: its declarative key map and its ``config.json``."""
+
+    key_map: HFKeyMap
+
+    def config_json(self, dtype: torch.dtype) -> dict[str, Any]:
+        """The ``config.json`` of an export whose tensors are ``dtype``."""
+
+    def check_config(self, hf_config: Mapping[str, Any]) -> None:
+        """Raise ``ConfigError`` naming each field where ``hf_config`` is not the model's."""
+
+
+def hf_adapter_of(task: Any, cfg: Any, *, where: str) -> HFAdapter:
+    """``task.hf_adapter(cfg)``; ``ConfigError`` naming ``where`` if the task has none."""
+    make = getattr(task, "hf_adapter", None)
+    if make is None:
+        raise ConfigError(f"{where}: {type(task).__name__} has no hf_adapter(cfg); it cannot read or write "
+                          "Hugging Face checkpoints")
+    return make(cfg)
+
+
+def open_initial_checkpoint(path: str, adapter: HFAdapter) -> HFCheckpoint:
+    """Check the HF directory and that its ``config.json`` describes the model (no tensor read)."""
+    checkpoint = open_hf_checkpoint(path, where=_INITIAL)
+    try:
+        adapter.check_config(checkpoint.config)
+    except ConfigError as exc:
+        raise ConfigError(f"{_INITIAL}: {os.path.join(path, 'config.json')}: {exc}") from None
+    return checkpoint
+
+
+def check_initial_keys(checkpoint: HFCheckpoint, model: nn.Module, adapter: HFAdapter) -> None:
+    """Every key and shape of ``checkpoint`` against ``model`` (meta is fine); ``ConfigError`` lists the misfits."""
+    shapes = {fqn: tuple(t.shape) for fqn, t in {**dict(model.named_parameters()), **persistent_buffers(model)}.items()}
+    plan_hf_read(shapes, checkpoint.stored, adapter.key_map, where=f"{_INITIAL} {checkpoint.path!r}")
+
+
+def training_tensors(model: nn.Module, optimizer: MasterWeightOptimizer) -> dict[str, torch.Tensor]:
+    """The high-precision truth of a training run by FQN: each parameter's FP32 master shard
+    (the parameter itself if it has none) and the persistent buffers (live tensors)."""
+    tensors = {fqn: optimizer.masters.get(fqn, param) for fqn, param in model.named_parameters()}
+    tensors.update(persistent_buffers(model))
+    return tensors
+
+
+def load_initial_weights(checkpoint: HFCheckpoint, model: nn.Module, optimizer: MasterWeightOptimizer,
+                         adapter: HFAdapter, *, progress: bool) -> HFReadReport:
+    """HF values into the FP32 masters and buffers (each rank its shards), then every weight
+    (8-bit shards by the refresh route, high-precision params by a cast) from its master."""
+    report = load_hf_weights(checkpoint, training_tensors(model, optimizer), adapter.key_map,
+                             where=f"{_INITIAL} {checkpoint.path!r}", progress=progress)
+    optimizer.rebuild_weights_from_masters()
+    return report
+
+
+def export_weights(directory: str, model: nn.Module, optimizer: MasterWeightOptimizer, adapter: HFAdapter, *,
+                   dtype: str, max_shard_mb: int, progress: bool) -> HFWriteReport:
+    """Write the masters (cast to ``dtype``) and buffers as an HF directory (replaced if it exists)."""
+    torch_dtype = EXPORT_DTYPES[dtype]
+    return save_hf_weights(directory, training_tensors(model, optimizer), adapter.key_map,
+                           adapter.config_json(torch_dtype), dtype=torch_dtype, max_shard_bytes=max_shard_mb * 2**20,
+                           overwrite=True, progress=progress)

@@ -1,0 +1,111 @@
+"""HF key planning (``te_npu.distributed.hf_layout``): both expert layouts, every misfit listed, file packing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.deepseek_v3.hf_mapping import HF_KEY_MAP
+from te_npu.distributed.hf_checkpoint import _local_piece
+from te_npu.distributed.hf_layout import HFStoredTensor, plan_hf_read, plan_hf_write
+from te_npu.errors import ConfigError
+
+E, F, D = 4, 8, 16
+SHAPES = {
+    "model.norm.weight": (D,),
+    "model.layers.1.mlp.experts.gate_up_proj": (E, 2 * F, D),
+    "model.layers.1.mlp.experts.down_proj": (E, D, F),
+    "model.layers.1.mlp.gate.weight": (E, D),
+}
+
+
+def _stored(shapes, dtype=torch.bfloat16):
+    return {k: HFStoredTensor(tuple(s), dtype) for k, s in shapes.items()}
+
+
+def _per_expert(drop=()):
+    keys = {"model.norm.weight": (D,), "model.layers.1.mlp.gate.weight": (E, D)}
+    for e in range(E):
+        prefix = f"model.layers.1.mlp.experts.{e}"
+        keys.update({f"{prefix}.gate_proj.weight": (F, D), f"{prefix}.up_proj.weight": (F, D),
+                     f"{prefix}.down_proj.weight": (D, F)})
+    return {k: v for k, v in keys.items() if k not in drop}
+
+
+def test_hf_layout_reads_stacked_experts_under_their_own_names():
+    plan = plan_hf_read(SHAPES, _stored(SHAPES), HF_KEY_MAP, where="t")
+    assert all(pieces is None for pieces in plan.values())
+
+
+def test_hf_layout_reads_per_expert_keys_as_row_ranges_of_the_stack():
+    plan = plan_hf_read(SHAPES, _stored(_per_expert()), HF_KEY_MAP, where="t")
+    gate_up = plan["model.layers.1.mlp.experts.gate_up_proj"]
+    assert [(p.key, p.expert, p.rows) for p in gate_up[2:4]] == [
+        ("model.layers.1.mlp.experts.1.gate_proj.weight", 1, (0, F)),
+        ("model.layers.1.mlp.experts.1.up_proj.weight", 1, (F, 2 * F)),
+    ]
+    assert {p.shape for p in plan["model.layers.1.mlp.experts.down_proj"]} == {(D, F)}
+    assert plan["model.norm.weight"] is None
+
+
+def test_hf_layout_lists_every_misfit_in_one_error():
+    stored = _stored(_per_expert(drop=["model.layers.1.mlp.experts.2.up_proj.weight"]))
+    stored["model.norm.weight"] = HFStoredTensor((D + 1,), torch.bfloat16)
+    stored["model.layers.1.mlp.gate.weight"] = HFStoredTensor((E, D), torch.float8_e4m3fn)
+    stored["model.layers.1.mlp.gate.weight_scale_inv"] = HFStoredTensor((1,), torch.float32)
+    with pytest.raises(ConfigError) as info:
+        plan_hf_read(SHAPES, stored, HF_KEY_MAP, where="checkpoint.initial_load_path")
+    message = str(info.value)
+    assert message.startswith("checkpoint.initial_load_path: the checkpoint does not match the model")
+    assert "1 missing keys: [model.layers.1.mlp.experts.2.up_proj.weight]" in message
+    assert "1 unexpected keys: [model.layers.1.mlp.gate.weight_scale_inv]" in message
+    assert f"model.norm.weight: checkpoint [{D + 1}], model [{D}]" in message
+    assert "model.layers.1.mlp.gate.weight: torch.float8_e4m3fn" in message
+
+
+def test_hf_layout_absent_stack_names_both_layouts():
+    stored = _stored({k: v for k, v in SHAPES.items() if "down_proj" not in k})
+    with pytest.raises(ConfigError, match=r"experts\.down_proj \(or per expert: model\.layers\.1\.mlp\.experts\.0\."):
+        plan_hf_read(SHAPES, stored, HF_KEY_MAP, where="t")
+
+
+def test_hf_layout_write_packs_files_in_order_and_keeps_the_router_fp32():
+    entries = plan_hf_write(SHAPES, HF_KEY_MAP, dtype=torch.bfloat16, max_shard_bytes=3 * F * D * 2)
+    assert len(entries) == 2 + 3 * E
+    assert [e.file_index for e in entries] == sorted(e.file_index for e in entries)
+    by_file = {}
+    for e in entries:
+        by_file[e.file_index] = by_file.get(e.file_index, 0) + torch.Size(e.shape).numel() * e.dtype.itemsize
+    assert max(by_file.values()) <= 3 * F * D * 2 and len(by_file) > 1
+    dtypes = {e.key: e.dtype for e in entries}
+    assert dtypes["model.layers.1.mlp.gate.weight"] == torch.float32
+    assert dtypes["model.layers.1.mlp.experts.0.gate_proj.weight"] == torch.bfloat16
+    stacked = plan_hf_write(SHAPES, HF_KEY_MAP, dtype=torch.bfloat16, max_shard_bytes=2**30, per_expert=False)
+    assert [e.key for e in stacked] == list(SHAPES)
+
+
+def test_hf_layout_shard_that_splits_an_expert_is_refused():
+    piece = HF_KEY_MAP.pieces("model.layers.1.mlp.experts.gate_up_proj", (E, 2 * F, D))[0]
+    local = torch.zeros(E, F // 2, D)  # a (hypothetical) shard holding half the gate rows of each expert
+    with pytest.raises(ConfigError, match="splits it; per-expert keys need whole experts"):
+        _local_piece(local, (0, 0, 0), (E, 2 * F, D), piece, "t")
+    assert _local_piece(torch.zeros(E // 2, 2 * F, D), (E // 2, 0, 0), (E, 2 * F, D), piece, "t") is None
+
+
+def test_hf_layout_16b_save_pretrained_keys_fit_the_16b_model():
+    """The 16B recipe's path: a per-expert (``save_pretrained``) 16B checkpoint's keys and shapes
+    match the model built on meta, and its config.json passes the adapter (no data involved)."""
+    from models.deepseek_v3 import DSV3_16B, DeepseekV3ForCausalLM
+    from models.deepseek_v3.config import to_hf_config_dict
+    from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter, to_hf_state_dict
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(DSV3_16B, dtype=torch.bfloat16)
+    state = model.state_dict()
+    per_expert = to_hf_state_dict(state, per_expert=True)
+    on_disk = {k: HFStoredTensor(tuple(t.shape), torch.bfloat16) for k, t in per_expert.items()}
+    assert sum(k.endswith("experts.63.down_proj.weight") for k in on_disk) == DSV3_16B.num_hidden_layers - 1
+    plan = plan_hf_read({k: tuple(t.shape) for k, t in state.items()}, on_disk, HF_KEY_MAP, where="16b")
+    assert sum(p is not None for p in plan.values()) == 2 * (DSV3_16B.num_hidden_layers - 1)
+    DeepseekV3HFAdapter(DSV3_16B).check_config({**to_hf_config_dict(DSV3_16B), "max_position_embeddings": 163840})
+    with pytest.raises(ConfigError, match=r"kv_lora_rank = 512 \(the model has 3072\)"):
+        DeepseekV3HFAdapter(DSV3_16B).check_config({**to_hf_config_dict(DSV3_16B), "kv_lora_rank": 512})
