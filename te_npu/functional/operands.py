@@ -18,7 +18,7 @@ from te_npu.formats import Format, Orientation, QuantizationRole
 from te_npu.numerics.groups import group_sizes_tensor, host_group_sizes
 from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = [
     "GemmNumerics",

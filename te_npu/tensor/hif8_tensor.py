@@ -26,8 +26,8 @@ import torch
 from te_npu.formats import Format, Orientation
 from te_npu.numerics import hif8
 from te_npu.numerics.constants import HIF8_INPUT_MAX
-from te_npu.quantizers.hif8 import HiF8Quantizer  # submodule: te_npu.quantizers imports tensor.operand
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.quantizers.hif8 import HiF8Quantizer
+from te_npu.ops.operand import QuantizedOperand
 from te_npu.tensor.weight import QuantizedWeightTensor
 
 __all__ = ["HiF8Tensor"]

@@ -21,9 +21,9 @@ from typing import ClassVar
 import torch
 
 from te_npu.formats import Format, Orientation
-from te_npu.quantizers.mxfp8 import MXFP8Quantizer  # submodule: te_npu.quantizers imports tensor.operand
+from te_npu.quantizers.mxfp8 import MXFP8Quantizer
 from te_npu.numerics import mxfp8
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 from te_npu.tensor.weight import QuantizedWeightTensor
 
 __all__ = ["MXFP8Tensor"]
