@@ -56,7 +56,7 @@ def registered_schemas(blob: bytes) -> dict[str, list[str]]:
     """The NUL-terminated schema strings in libtorch_npu.so for the ops in OPS."""
     found: dict[str, list[str]] = {}
     names = "|".join(re.escape(op) for op in OPS)
-    pattern = re.compile(rb"\x00((?:" + names.encode() + rb")(?:\.[A-Za-z0-9_]+)?\([^\x00]*?\) -> [^\x00]+)\x00")
+    pattern = re.compile(rb"(?<=\x00)((?:" + names.encode() + rb")(?:\.[A-Za-z0-9_]+)?\([^\x00]*?\) -> [^\x00]+)(?=\x00)")
     for match in pattern.finditer(blob):
         func = match.group(1).decode()
         if func not in found.setdefault(_base_name(func), []):

@@ -2,7 +2,7 @@
 
 Every op call is bound by torch against the real schema, appended to ``calls`` and run by a CPU
 model of the vendor op (checks, numerics, output layout). ``fail(name, exc)`` makes the next calls
-of an op raise ``exc``. Nothing here imports te_npu.
+of an op raise ``exc``. Self-contained: it depends on nothing of the library under test.
 """
 from __future__ import annotations
 
