@@ -127,4 +127,8 @@ def quantize_along(x: torch.Tensor, axis: int, block_size: int, fmt: torch.dtype
     moved = x.movedim(axis, -1)
     y, codes = quantize_last_axis(moved, block_size, fmt, scale_alg, zero_tiny_blocks=zero_tiny_blocks,
                                   max_low_bound=max_low_bound)
-    return y.movedim(-1, axis).contiguous(), pair_codes(codes).movedim(-2, axis).contiguous()
+    # Fresh row-major allocations, as the real outputs are (op-plugin DynamicMxQuantKernelNpuOpApi.cpp
+    # and the dual-axis / grouped ones: apply_tensor_without_format(shape)): ``.contiguous()`` would
+    # keep the moved strides of size-1 dims, which the GEMMs' stride-based transpose checks read.
+    fresh = torch.contiguous_format
+    return y.movedim(-1, axis).clone(memory_format=fresh), pair_codes(codes).movedim(-2, axis).clone(memory_format=fresh)
