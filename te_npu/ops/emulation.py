@@ -19,8 +19,10 @@ to FP32 summation order):
   headroom at the top of the range: a block code above 243 (block amax >= 2**125) decodes to
   inf, and a product above 2**122 overflows, where the FP32 plan would stay finite. Enabling
   TF32 (``torch.backends.cuda.matmul.allow_tf32``) would make FP32 paths inexact.
-HiF8 scales multiply the FP32 product: ``(P * left.scale) * right.scale``; the last multiply
-writes the output dtype directly (one pass, one rounding).
+HiF8 scales multiply the FP32 product in the kernels' documented order, the right (x2 / weight)
+scale first: ``(P * right.scale) * left.scale`` (aclnnQuantMatmulV5 / aclnnGroupedMatmulV4:
+``y = (x1 @ x2) * x2Scale * x1Scale``); the last multiply writes the output dtype directly (one
+pass, one rounding).
 
 Quantization runs ``te_npu.numerics`` (eager torch) unless ``TE_NPU_QUANT_KERNEL`` picks one of
 the bit-identical faster kernels (see :func:`quant_kernel`); a picked kernel that cannot be built
@@ -205,7 +207,7 @@ def matmul(left: QuantizedOperand, right: QuantizedOperand, layout: str, output_
         product = _mm(a.t(), b)
     if left.spec.blocked:  # block scales were folded into the decode
         return _epilogue(product, unraise, output_dtype)
-    return _epilogue(product.mul_(left.scale.reshape(())), right.scale.reshape(()), output_dtype)
+    return _epilogue(product.mul_(right.scale.reshape(())), left.scale.reshape(()), output_dtype)
 
 
 def grouped_matmul(
@@ -229,12 +231,12 @@ def grouped_matmul(
         product = _grouped_mm(a.t(), b, counts, "k", bf16_product)  # [N,T] x [T,K] -> [G,N,K]
     if left.spec.blocked:
         return _epilogue(product, unraise, output_dtype)
-    product = product.mul_(left.scale.reshape(()))
     if layout == "TN":
-        return _epilogue(product, right.scale.reshape(()), output_dtype)
-    # per-expert weight scale [G] -> one factor per token row
-    row_scale = torch.repeat_interleave(right.scale, counts.to(right.scale.device), output_size=a.shape[0])
-    return _epilogue(product, row_scale.unsqueeze(-1), output_dtype)
+        product = product.mul_(right.scale.reshape(()))
+    else:  # per-expert weight scale [G] -> one factor per token row
+        row_scale = torch.repeat_interleave(right.scale, counts.to(right.scale.device), output_size=a.shape[0])
+        product = product.mul_(row_scale.unsqueeze(-1))
+    return _epilogue(product, left.scale.reshape(()), output_dtype)
 
 
 # ---------------------------------------------------------------- quantization
