@@ -148,7 +148,10 @@ def hif8_encode(values: torch.Tensor) -> torch.Tensor:
     v = values.detach().to(torch.float32).cpu()
     clamped = torch.where(torch.isnan(v), v, v.clamp(-HIF8_MAX, HIF8_MAX))
     coded = clamped.numpy().astype(en_dtypes.hifloat8).view(np.uint8)
-    return torch.from_numpy(coded.copy()).reshape(values.shape)
+    # a torch-owned (resizable) storage, as the real output's (op-plugin allocates it with
+    # apply_tensor_without_format); numpy-backed storage cannot be resized, and FSDP2 frees
+    # storage by resizing it to 0
+    return torch.from_numpy(coded).reshape(values.shape).clone()
 
 
 def hif8_decode(codes: torch.Tensor) -> torch.Tensor:
