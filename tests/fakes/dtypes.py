@@ -156,5 +156,7 @@ def hif8_encode(values: torch.Tensor) -> torch.Tensor:
 
 def hif8_decode(codes: torch.Tensor) -> torch.Tensor:
     """HiFloat8 bytes uint8 -> float32 (en_dtypes' hifloat8 value table)."""
-    arr = codes.detach().cpu().contiguous().numpy().astype(np.uint8)
+    # .numpy() of the caller's tensor would mark its storage non-resizable (numpy shares it); a
+    # kernel leaves its inputs untouched (FSDP2 later frees a gathered weight by resizing it)
+    arr = codes.detach().cpu().clone().numpy().astype(np.uint8)
     return torch.from_numpy(arr.view(en_dtypes.hifloat8).astype(np.float32)).reshape(codes.shape)
