@@ -65,6 +65,8 @@ KERNEL_SINCE = {
     "aclnnDynamicQuantV3": "8.5.0",
     "aclnnDynamicQuantV4": "9.1.0",
     "aclnnQuantize": "8.5.0",
+    "aclnnQuantMax": "9.1.0",
+    "aclnnGroupedQuantMax": "9.2.0",
     "aclnnQuantMatmulV5": "8.5.0",
     "aclnnQuantMatmulWeightNz": "8.5.0",
     "aclnnTransQuantParamV2": "8.5.0",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass, field
 
-from tests.fakes import dynamic_quant, grouped_matmul, mx_quant, quant_matmul, quantize
+from tests.fakes import dynamic_quant, grouped_matmul, mx_quant, quant_matmul, quant_max, quantize
 from tests.fakes.capability import FakeNpuConfig, device_module
 from tests.fakes.dtypes import TORCH_NPU_DTYPE_CODES
 from tests.fakes.schemas import OpSchema, RegisteredOps, torch_npu_version
@@ -45,6 +45,7 @@ IMPLEMENTATIONS = {
     "npu_grouped_dynamic_mx_quant": mx_quant.grouped_dynamic_mx_quant,
     "npu_dynamic_quant": dynamic_quant.dynamic_quant,
     "npu_quantize": quantize.quantize,
+    "npu_quant_max": quant_max.quant_max,
     "npu_quant_matmul": quant_matmul.quant_matmul,
     "npu_grouped_matmul": grouped_matmul.grouped_matmul,
     "npu_grouped_matmul.List": _list_overload,

@@ -10,7 +10,7 @@ from tests.fakes.schemas import FIXTURE, all_schemas, load_fixture
 from scripts.extract_npu_schemas import OPS, extract
 
 EXPECTED_OPS = {"npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis", "npu_grouped_dynamic_mx_quant",
-                "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "npu_grouped_matmul"}
+                "npu_dynamic_quant", "npu_quantize", "npu_quant_max", "npu_quant_matmul", "npu_grouped_matmul"}
 
 
 def test_fixture_holds_the_wheel_schemas_of_every_modelled_op():
