@@ -26,6 +26,7 @@ OPS = (
     "npu_grouped_dynamic_mx_quant",
     "npu_dynamic_quant",
     "npu_quantize",
+    "npu_quant_max",
     "npu_quant_matmul",
     "npu_grouped_matmul",
 )

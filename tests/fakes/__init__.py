@@ -33,6 +33,7 @@ def install_fake_torch_npu(monkeypatch, *, chip: str = "Ascend950DT_9571", cann_
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     monkeypatch.setitem(sys.modules, "torch_npu.npu", fake.npu)
     monkeypatch.setitem(sys.modules, "torch_npu.npu.utils", fake.npu.utils)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu.aclnn", fake.npu.aclnn)
     monkeypatch.setitem(sys.modules, "torch_npu.version", fake.version)
     monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
     return fake

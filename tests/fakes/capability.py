@@ -18,6 +18,10 @@ Real APIs behind each query (torch_npu 2.13.0 wheel, Python side):
   (``op_plugin/meta/_meta_registrations.py``, ``_inductor/config.py``).
 * ``torch_npu.npu.utils.get_cann_version(module="CANN")`` -> str, and
   ``torch_npu.npu.utils._is_gte_cann_version(version, module="CANN")`` -> bool.
+* ``torch.npu.get_device_capability()`` returns None (or ``TORCH_NPU_DEVICE_CAPABILITY``) with a
+  warning that it "does not represent the actual capability of the NPU device", and
+  ``torch.npu.aclnn.version()`` warns "isn't implemented!" and returns None
+  (``torch_npu/npu/aclnn/backends.py``): neither can gate a kernel.
 * Kernel availability has NO Python API. op-plugin decides with
   ``check_aclnn_kernel_available(name)`` = dlsym of ``name`` and ``name + "GetWorkspaceSize"`` in
   libopapi.so (then libaclnn_ops_infer.so, libaclnn_ops_train.so, ...), op-plugin
@@ -26,8 +30,10 @@ Real APIs behind each query (torch_npu 2.13.0 wheel, Python side):
 """
 from __future__ import annotations
 
+import os
 import re
 import types
+import warnings
 from dataclasses import dataclass, field
 
 # NpuVariables.h c10_npu::SocVersion
@@ -59,6 +65,8 @@ KERNEL_SINCE = {
     "aclnnDynamicQuantV3": "8.5.0",
     "aclnnDynamicQuantV4": "9.1.0",
     "aclnnQuantize": "8.5.0",
+    "aclnnQuantMax": "9.1.0",
+    "aclnnGroupedQuantMax": "9.2.0",
     "aclnnQuantMatmulV5": "8.5.0",
     "aclnnQuantMatmulWeightNz": "8.5.0",
     "aclnnTransQuantParamV2": "8.5.0",
@@ -168,6 +176,22 @@ def device_module(config: FakeNpuConfig) -> types.ModuleType:
                               vector_core_num=0, L2_cache_size=0),
     )[1]
     mod.get_soc_version = lambda: config.soc_version
+
+    def get_device_capability(device=None):
+        value = os.getenv("TORCH_NPU_DEVICE_CAPABILITY")
+        warnings.warn("The return value of get_device_capability is only for compatibility with PyTorch "
+                      "and does not represent the actual capability of the NPU device.")
+        return tuple(int(p) for p in value.split(".")) if value else None
+
+    mod.get_device_capability = get_device_capability
+    aclnn = types.ModuleType("torch_npu.npu.aclnn")
+
+    def version():
+        warnings.warn("torch.npu.aclnn.version isn't implemented!")
+        return None
+
+    aclnn.version = version
+    mod.aclnn = aclnn
     utils = types.ModuleType("torch_npu.npu.utils")
     utils.get_cann_version = lambda module="CANN": config.cann_version
     utils._is_gte_cann_version = lambda version, module="CANN": (

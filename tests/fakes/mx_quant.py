@@ -15,7 +15,7 @@ import math
 import torch
 
 from tests.fakes.capability import FakeNpuConfig
-from tests.fakes.dtypes import acl_of_code, acl_of_tensor, torch_dtype_of_acl
+from tests.fakes.dtypes import acl_of_code, acl_of_tensor
 from tests.fakes.mx_block import quantize_along
 from tests.fakes.vendor_errors import aclnn_check, missing_kernel, not_modelled, torch_check
 
@@ -62,8 +62,9 @@ def _check_fp8_scale_alg(api: str, scale_alg: int) -> None:
                 "If the dtype of output y is FLOAT8_E4M3FN/FLOAT8_E5M2, parameter scale_alg must be 0 or 1")
 
 
-def _check_fp4_dst_type_max(api: str, dst_type_max: float) -> None:
-    # dynamic_mx_quant_tiling_arch35.cpp / dual-axis tiling: applied whatever the y dtype
+def _check_dst_type_max_range(api: str, dst_type_max: float) -> None:
+    # dynamic_mx_quant_tiling_arch35.cpp / dual-axis tiling: range-checked whatever the y dtype; the FP8
+    # paths then ignore it (docs: "不支持设置dst_type_max" for FP8 -- sources disagree, see README)
     aclnn_check(dst_type_max == 0 or 6 <= dst_type_max <= 12, api,
                 "The value of dst_type_max must be within the range [6, 12] or equal to 0")
 
@@ -99,7 +100,7 @@ def dynamic_mx_quant(config: FakeNpuConfig, input, axis, round_mode, dst_type, b
     aclnn_check(x_acl != "FLOAT" or block_size == 32, api,
                 "If the dtype of input x is FLOAT, parameter block_size must be 32")
     _check_fp8_scale_alg(api, scale_alg)
-    _check_fp4_dst_type_max(api, dst_type_max)
+    _check_dst_type_max_range(api, dst_type_max)
     # tiling (V3 attr): "max_low_bound must be 0 when scale_alg != 1", "must be non-negative"
     aclnn_check(scale_alg == 1 or max_low_bound == 0, api, "max_low_bound must be 0 when scale_alg != 1")
     aclnn_check(max_low_bound >= 0, api, "max_low_bound must be non-negative")
@@ -135,7 +136,7 @@ def dynamic_mx_quant_with_dual_axis(config: FakeNpuConfig, input, round_mode, ds
     # tiling: "The value of round_mode must be rint, floor, or round" / FP8 -> rint only
     _check_round_mode(api, round_mode)
     _check_fp8_scale_alg(api, scale_alg)
-    _check_fp4_dst_type_max(api, dst_type_max)
+    _check_dst_type_max_range(api, dst_type_max)
     aclnn_check(x.dim() <= 7, api, "The shape dim of x must be within the range [2, 7]")  # aclnn doc: 2-7 dims
     # The dual-axis kernel's zero mask is on the raw block exponent (mx_block.py).
     y1, s1 = quantize_along(x, x.dim() - 1, 32, fmt, scale_alg, zero_tiny_blocks=False)
@@ -216,4 +217,4 @@ def grouped_scale_rows(sizes: list[int]) -> list[tuple[int, int]]:
 
 
 __all__ = ["dynamic_mx_quant", "dynamic_mx_quant_with_dual_axis", "grouped_dynamic_mx_quant",
-           "grouped_scale_rows", "POISON_SCALE", "POISON_DATA", "torch_dtype_of_acl"]
+           "grouped_scale_rows", "POISON_SCALE", "POISON_DATA"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass, field
 
-from tests.fakes import dynamic_quant, grouped_matmul, mx_quant, quant_matmul, quantize
+from tests.fakes import dynamic_quant, grouped_matmul, mx_quant, quant_matmul, quant_max, quantize
 from tests.fakes.capability import FakeNpuConfig, device_module
 from tests.fakes.dtypes import TORCH_NPU_DTYPE_CODES
 from tests.fakes.schemas import OpSchema, RegisteredOps, torch_npu_version
@@ -18,15 +18,18 @@ from tests.fakes.vendor_errors import not_modelled
 
 @dataclass
 class Call:
-    """One op call. ``args`` / ``kwargs``: the schema-bound values (positional parameters in order,
-    keyword-only parameters by name, defaults filled) once torch bound the call, else what the
-    caller passed; ``raw_args`` / ``raw_kwargs``: exactly what the caller passed."""
+    """One op call, recorded before torch binds it.
+
+    args: the positional arguments exactly as passed. kwargs: every other schema argument by name,
+    as passed or, when not passed, its schema default (values are not converted: a torch.dtype
+    passed to an ``int`` argument stays a torch.dtype here). bound: every argument as the kernel
+    received it after torch's binding (dtype -> ScalarType int, tuples -> lists), empty when the
+    binding failed. overload: the schema overload that ran ("npu_grouped_matmul.List", ...)."""
 
     name: str
     args: tuple
     kwargs: dict
-    raw_args: tuple = ()
-    raw_kwargs: dict = field(default_factory=dict)
+    bound: dict = field(default_factory=dict)
     overload: str = ""
 
 
@@ -42,6 +45,7 @@ IMPLEMENTATIONS = {
     "npu_grouped_dynamic_mx_quant": mx_quant.grouped_dynamic_mx_quant,
     "npu_dynamic_quant": dynamic_quant.dynamic_quant,
     "npu_quantize": quantize.quantize,
+    "npu_quant_max": quant_max.quant_max,
     "npu_quant_matmul": quant_matmul.quant_matmul,
     "npu_grouped_matmul": grouped_matmul.grouped_matmul,
     "npu_grouped_matmul.List": _list_overload,
@@ -90,7 +94,7 @@ class FakeTorchNpu(types.ModuleType):
         packet = self._ops.packet(op)
 
         def call_op(*args, **kwargs):
-            call = Call(op, args, dict(kwargs), args, dict(kwargs))
+            call = Call(op, args, self._with_defaults(op, len(args), kwargs))
             self.calls.append(call)
             if op in self._failures:
                 raise self._failures[op]
@@ -104,10 +108,19 @@ class FakeTorchNpu(types.ModuleType):
         call_op.__doc__ = "\n".join(s.text for s in self._ops.schemas.values() if s.op == op)
         return call_op
 
+    def _with_defaults(self, op: str, n_positional: int, kwargs: dict) -> dict:
+        """The arguments after the first ``n_positional``: as passed, else their default (the first
+        overload's schema; overloads of one op share their argument names and defaults here)."""
+        schema = next(s for s in self._ops.schemas.values() if s.op == op)
+        names = (schema.positional + schema.keyword_only)[n_positional:]
+        defaults = dict(schema.defaults)
+        filled = {n: kwargs[n] if n in kwargs else defaults.get(n) for n in names}
+        filled.update({k: v for k, v in kwargs.items() if k not in filled})
+        return filled
+
     def _kernel(self, schema: OpSchema, bound: dict):
         call = self._pending
         if call is not None and call.name == schema.op:
-            call.args = tuple(bound[n] for n in schema.positional)
-            call.kwargs = {n: bound[n] for n in schema.keyword_only}
+            call.bound = dict(bound)
             call.overload = schema.qualified
         return IMPLEMENTATIONS[schema.qualified](self.config, **bound)

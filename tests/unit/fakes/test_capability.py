@@ -53,3 +53,12 @@ def test_kernel_overrides(monkeypatch):
     assert not fake.aclnn_kernel_available("aclnnQuantMatmulV5") and fake.aclnn_kernel_available("aclnnGroupedMatmulV4")
     only = install_fake_torch_npu(monkeypatch, kernels={"aclnnQuantize"})
     assert only.config.kernels == {"aclnnQuantize"} and only.config.soc_version == ASCEND950
+
+
+def test_compat_queries_carry_no_capability(monkeypatch):
+    install_fake_torch_npu(monkeypatch)
+    monkeypatch.delenv("TORCH_NPU_DEVICE_CAPABILITY", raising=False)
+    with pytest.warns(UserWarning, match="does not represent the actual capability"):
+        assert torch.npu.get_device_capability() is None
+    with pytest.warns(UserWarning, match="isn't implemented"):
+        assert torch.npu.aclnn.version() is None

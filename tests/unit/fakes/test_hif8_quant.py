@@ -163,3 +163,33 @@ def test_quantize_shape_rules(npu):
         npu.npu_quantize(x, torch.ones(8), None, npu.hifloat8, axis=2)
     with pytest.raises(NotImplementedError):
         npu.npu_quantize(x, torch.ones(1), None, npu.hifloat8, div_mode=False)
+
+
+# -------------------------------------------------------------------------------- npu_quant_max
+def test_grouped_quant_max_multiplies_per_group_scale_and_returns_group_amax(npu, gen):
+    x = torch.randn(10, 6, generator=gen)  # FLOAT input is accepted here
+    scale = torch.tensor([4.0, 0.5, 30.0])
+    y, amax = npu.npu_quant_max(x, scale, round_mode="round", dst_dtype=npu.hifloat8,
+                                group_list=torch.tensor([3, 3, 10]))
+    factor = torch.tensor([4.0] * 3 + [30.0] * 7).reshape(-1, 1)
+    assert torch.equal(y, hif8_encode(x * factor))
+    assert amax.dtype == x.dtype and torch.equal(amax, torch.stack([x[:3].abs().amax(), torch.tensor(0.0), x[3:].abs().amax()]))
+
+
+def test_quant_max_without_groups_and_its_round_mode_rule(npu, gen):
+    x = torch.randn(4, 8, generator=gen).bfloat16()
+    y, amax = npu.npu_quant_max(x, torch.tensor([2.0]), dst_dtype=torch.float8_e4m3fn)
+    assert amax.shape == (1,) and amax.dtype == torch.bfloat16 and torch.equal(y.float(), (x.float() * 2).to(torch.float8_e4m3fn).float())
+    with pytest.raises(RuntimeError, match="'round' or 'hybrid'"):
+        npu.npu_quant_max(x, torch.tensor([2.0]), dst_dtype=npu.hifloat8)  # the default round_mode "rint"
+
+
+def test_quant_max_versions(monkeypatch):
+    x = torch.randn(4, 8)
+    old = install_fake_torch_npu(monkeypatch, cann_version="9.1.0")  # QuantMax, no GroupedQuantMax
+    old.npu_quant_max(x, torch.tensor([1.0]), round_mode="round", dst_dtype=290)
+    with pytest.raises(RuntimeError, match="npu_grouped_quant_max"):
+        old.npu_quant_max(x, torch.ones(2), round_mode="round", dst_dtype=290, group_list=torch.tensor([2, 4]))
+    with pytest.raises(RuntimeError, match="INT64"):
+        install_fake_torch_npu(monkeypatch).npu_quant_max(x, torch.ones(2), round_mode="round", dst_dtype=290,
+                                                          group_list=torch.tensor([2, 4], dtype=torch.int32))

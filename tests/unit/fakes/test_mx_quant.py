@@ -152,6 +152,23 @@ def test_grouped_matches_golden_on_written_rows_golden_fills_gaps_with_ones(npu,
     assert torch.equal(scale[~gap], gs[~gap]) and (gs[gap] == 127).all()
 
 
+def test_grouped_rows_after_the_last_group_end_are_never_written(npu, gen):
+    x = torch.randn(64, 4, generator=gen).bfloat16()
+    y, scale = npu.npu_grouped_dynamic_mx_quant(x, torch.tensor([32], dtype=torch.int32), dst_type=E4M3)
+    assert (_bytes(y[32:]) == 0x7F).all() and (scale[1] == POISON_SCALE).all()
+    assert torch.equal(scale[0], npu.npu_dynamic_mx_quant(x[:32], axis=0, dst_type=E4M3)[1][0])
+
+
+def test_fp16_extremes_follow_the_truncated_exponent(npu):
+    # fp16 -> bf16 CAST_TRUNC keeps each value's exponent: 65504 stays in binade 2**15, fp16
+    # subnormals get their own binade; the golden's floor(log2) agrees.
+    x = torch.tensor([[65504.0] + [1.0] * 31, [2.0**-24] + [0.0] * 31, [6.1e-5] * 32], dtype=torch.float16)
+    y, scale = npu.npu_dynamic_mx_quant(x, dst_type=E5M2)
+    gy, gs = _golden(x, E5M2)
+    assert scale[:, 0, 0].tolist() == [127 + 15 - 15, 127 - 24 - 15, 127 - 15 - 15]
+    assert torch.equal(scale, gs) and torch.equal(_bytes(y), gy)
+
+
 def test_grouped_empty_x_gives_all_poison_scale(npu):
     y, scale = npu.npu_grouped_dynamic_mx_quant(torch.zeros(0, 8, dtype=torch.bfloat16),
                                                 torch.tensor([0, 0], dtype=torch.int32), dst_type=E4M3)

@@ -10,7 +10,7 @@ from tests.fakes.schemas import FIXTURE, all_schemas, load_fixture
 from scripts.extract_npu_schemas import OPS, extract
 
 EXPECTED_OPS = {"npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis", "npu_grouped_dynamic_mx_quant",
-                "npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "npu_grouped_matmul"}
+                "npu_dynamic_quant", "npu_quantize", "npu_quant_max", "npu_quant_matmul", "npu_grouped_matmul"}
 
 
 def test_fixture_holds_the_wheel_schemas_of_every_modelled_op():
@@ -51,12 +51,12 @@ def test_calls_record_raw_and_schema_bound_arguments(npu):
     x = torch.randn(4, 64).bfloat16()
     npu.npu_dynamic_mx_quant(x, dst_type=torch.float8_e4m3fn, scale_alg=1)
     (call,) = npu.calls_of("npu_dynamic_mx_quant")
-    assert call.raw_kwargs == {"dst_type": torch.float8_e4m3fn, "scale_alg": 1}
-    assert call.args[0] is x and call.kwargs == {"axis": -1, "round_mode": "rint", "dst_type": 24, "block_size": 32,
-                                                 "scale_alg": 1, "dst_type_max": 0.0, "max_low_bound": 0.0}
+    defaults = {"axis": -1, "round_mode": "rint", "block_size": 32, "dst_type_max": 0.0, "max_low_bound": 0.0}
+    assert call.args == (x,) and call.kwargs == dict(defaults, dst_type=torch.float8_e4m3fn, scale_alg=1)
+    assert call.bound == dict(defaults, input=x, dst_type=24, scale_alg=1)
     npu.npu_quantize(torch.randn(2, 3), torch.tensor([1.0]), None, npu.hifloat8, axis=-1)
     (q,) = npu.calls_of("npu_quantize")
-    assert q.args[3] == 290 and q.args[4:] == (-1, True) and q.overload == "npu_quantize"
+    assert q.args[3] is npu.hifloat8 and q.kwargs == {"axis": -1, "div_mode": True} and q.overload == "npu_quantize"
 
 
 def test_fail_injects_errors_after_recording(npu):
@@ -64,13 +64,13 @@ def test_fail_injects_errors_after_recording(npu):
     npu.fail("npu_quant_matmul", boom)
     with pytest.raises(RuntimeError, match="561103"):
         npu.npu_quant_matmul(torch.zeros(1), torch.zeros(1), torch.zeros(1))
-    assert len(npu.calls_of("npu_quant_matmul")) == 1
+    assert len(npu.calls_of("npu_quant_matmul")) == 1 and npu.calls[-1].bound == {}
 
 
 def test_a_dtype_passed_to_an_int_argument_binds_as_its_scalar_type(npu):
     x = torch.randn(4, 64).bfloat16()
     npu.npu_dynamic_mx_quant(x, dst_type=torch.float8_e5m2)
-    assert npu.calls[-1].kwargs["dst_type"] == 23
+    assert npu.calls[-1].bound["dst_type"] == 23 and npu.calls[-1].kwargs["dst_type"] is torch.float8_e5m2
 
 
 def _fake_wheel(registered: list[str], yaml_funcs: list[str]) -> io.BytesIO:
