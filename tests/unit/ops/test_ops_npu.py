@@ -115,8 +115,8 @@ def test_mxfp8_quantize_equals_emulation(fake, gen, dtype, orientation):
     x = _rand(gen, 96, 160, dtype=dtype)
     assert_same_operand(on_npu(ops.quantize_mxfp8, x, orientation), ops.quantize_mxfp8(x, orientation))
     (call,) = fake.calls_of("npu_dynamic_mx_quant")
-    assert call.kwargs["axis"] == (-1 if orientation == "row" else -2) and call.kwargs["dst_type"] == 24  # e4m3
-    assert call.kwargs["block_size"] == 32 and call.kwargs["scale_alg"] == 0 and call.kwargs["round_mode"] == "rint"
+    assert call.bound["axis"] == (-1 if orientation == "row" else -2) and call.bound["dst_type"] == 24  # e4m3
+    assert call.bound["block_size"] == 32 and call.bound["scale_alg"] == 0 and call.bound["round_mode"] == "rint"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -128,10 +128,10 @@ def test_mxfp8_dual_equals_emulation_and_takes_fp32_through_single_axis_calls(fa
         assert_same_operand(got, want)
     dual, single = fake.calls_of("npu_dynamic_mx_quant_with_dual_axis"), fake.calls_of("npu_dynamic_mx_quant")
     if dtype == torch.float32:
-        assert not dual and [c.kwargs["axis"] for c in single] == [-1, -2]
-        assert all(c.args[0].dtype == torch.float32 for c in single)
+        assert not dual and [c.bound["axis"] for c in single] == [-1, -2]
+        assert all(c.bound["input"].dtype == torch.float32 for c in single)
     else:
-        assert len(dual) == 1 and not single and dual[0].args[0].dtype == dtype
+        assert len(dual) == 1 and not single and dual[0].bound["input"].dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -143,12 +143,12 @@ def test_mxfp8_grouped_quantize_equals_emulation(fake, gen, dtype, sizes):
     assert_same_operand(got, ops.quantize_mxfp8(x, "col", group_sizes=group_sizes))
     grouped = fake.calls_of("npu_grouped_dynamic_mx_quant")
     if dtype == torch.float32:  # no grouped kernel takes FP32: rows placed at the pair rows, one col call
-        assert not grouped and fake.calls_of("npu_dynamic_mx_quant")[0].args[0].dtype == torch.float32
+        assert not grouped and fake.calls_of("npu_dynamic_mx_quant")[0].bound["input"].dtype == torch.float32
     else:
         (call,) = grouped
         cumsum = torch.cumsum(group_sizes, 0)
-        assert call.args[1].dtype == torch.int32 and torch.equal(call.args[1], cumsum.to(torch.int32))
-        assert call.kwargs["blocksize"] == 32 and call.kwargs["dst_type"] == 24
+        assert call.bound["group_index"].dtype == torch.int32 and torch.equal(call.bound["group_index"], cumsum.to(torch.int32))
+        assert call.bound["blocksize"] == 32 and call.bound["dst_type"] == 24
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -161,11 +161,12 @@ def test_hif8_quantize_equals_emulation(fake, gen, dtype, shape, format_max):
     assert got.scale.dtype == torch.float32 and got.scale.shape == shape[:len(shape) - 2]
     if dtype != torch.float32 and len(shape) == 2:
         (call,) = fake.calls_of("npu_dynamic_quant")
-        assert call.kwargs["quant_mode"] == "pertensor" and call.kwargs["dst_type_max"] == format_max
-        assert call.kwargs["dst_type"] == fake.hifloat8 and not fake.calls_of("npu_quantize")
+        assert call.bound["quant_mode"] == "pertensor" and call.bound["dst_type_max"] == format_max
+        assert call.bound["dst_type"] == fake.hifloat8 and not fake.calls_of("npu_quantize")
     else:  # FP32 or per-expert: FP32 amax + one npu_quantize with an FP32 scale (no loop over experts)
         (call,) = fake.calls_of("npu_quantize")
-        x_arg, scales, _, dtype_code, axis, div_mode = call.args  # the schema has no keyword-only part
+        b = call.bound
+        x_arg, scales, dtype_code, axis, div_mode = b["input"], b["scales"], b["dtype"], b["axis"], b["div_mode"]
         assert x_arg.dtype == scales.dtype == torch.float32 and dtype_code == fake.hifloat8
         assert scales.shape == ((shape[0],) if len(shape) == 3 else (1,))
         assert axis == (0 if len(shape) == 3 else -1) and div_mode is True
@@ -196,7 +197,7 @@ def test_hif8_quantize_with_scale_widens_bf16_to_fp32(fake, gen):
     got = on_npu(ops.quantize_hif8_with_scale, x, scale)
     assert torch.equal(got.data, ops.quantize_hif8_with_scale(x, scale).data)
     (call,) = fake.calls_of("npu_quantize")
-    assert call.args[0].dtype == torch.float32 and call.args[1].dtype == torch.float32
+    assert call.bound["input"].dtype == torch.float32 and call.bound["scales"].dtype == torch.float32
 
 
 # ---------------------------------------------------------------- GEMMs == emulation
@@ -223,14 +224,14 @@ def test_dense_gemm_equals_emulation(fake, gen, fmt, layout, out_dtype):
     got = on_npu(lambda: ops.low_precision_matmul(*make(), layout=layout, output_dtype=out_dtype))
     assert torch.equal(got, want)
     (call,) = fake.calls_of("npu_quant_matmul")
-    x1, x2, _ = call.args
+    x1, x2 = call.bound["x1"], call.bound["x2"]
     assert (layout == "NT") == (not x2.is_contiguous()) and (layout == "TN") == (not x1.is_contiguous())
     if fmt == Format.MXFP8_E4M3:
-        assert call.kwargs["group_sizes"] == [1, 1, 32]
-        assert call.kwargs["scale_dtype"] == call.kwargs["pertoken_scale_dtype"] == fake.float8_e8m0fnu
+        assert call.bound["group_sizes"] == [1, 1, 32]
+        assert call.bound["scale_dtype"] == call.bound["pertoken_scale_dtype"] == fake.float8_e8m0fnu
     else:
-        assert call.kwargs["x1_dtype"] == call.kwargs["x2_dtype"] == fake.hifloat8
-        assert call.args[2].shape == (1,) and call.kwargs["pertoken_scale"].shape == (1,)
+        assert call.bound["x1_dtype"] == call.bound["x2_dtype"] == fake.hifloat8
+        assert call.bound["scale"].shape == (1,) and call.bound["pertoken_scale"].shape == (1,)
 
 
 def _grouped(gen, fmt, layout, sizes, dtype=torch.bfloat16):
@@ -258,7 +259,7 @@ def test_grouped_gemm_equals_emulation(fake, gen, fmt, layout, sizes):
     rows = slice(None) if layout == "TN" else slice(0, sum(sizes))
     assert torch.equal(got[rows], want[rows])
     (call,) = fake.calls_of("npu_grouped_matmul")
-    kw = call.kwargs
+    kw = call.bound
     assert torch.equal(kw["group_list"], torch.cumsum(group_list, 0)) and kw["group_list_type"] == 0
     assert kw["group_type"] == (2 if layout == "TN" else 0) and kw["split_item"] == 3
 
@@ -272,8 +273,8 @@ def test_kernel_scale_goes_into_the_gemm_without_a_round_trip(fake, gen):
     (call,) = fake.calls_of("npu_grouped_matmul")
     kernel_scales = [c for c in fake.calls_of("npu_grouped_dynamic_mx_quant")]
     assert len(kernel_scales) == 2
-    assert call.kwargs["per_token_scale"][0].data_ptr() == left.scale.data_ptr()
-    assert call.kwargs["scale"][0].data_ptr() == right.scale.data_ptr()
+    assert call.bound["per_token_scale"][0].data_ptr() == left.scale.data_ptr()
+    assert call.bound["scale"][0].data_ptr() == right.scale.data_ptr()
 
 
 # ---------------------------------------------------------------- refresh from FP32 masters
