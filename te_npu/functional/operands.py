@@ -69,9 +69,9 @@ class QuantStats(NamedTuple):
 
     orientation: "row" / "col" / "both" (one copy serving both, HiF8);
     shape: the source tensor's shape; scale: the operand's scale (HiF8: FP32 ``[]`` / ``[E]``;
-    MXFP8: the E8M0 block-scale codes); amax: HiF8 ``scale * format_max`` (the amax the
-    current scale was computed from, exact up to one FP32 rounding, for a finite non-zero
-    tensor), None for MXFP8 (each block has its own amax; the codes are the statistic).
+    MXFP8: the E8M0 block-scale codes, in the backend's layout); amax: HiF8 ``scale * format_max``
+    (the amax the current scale ``amax * (1 / format_max)`` was computed from, to within two FP32
+    roundings, for a finite non-zero tensor), None for MXFP8 (each block has its own amax; the codes are the statistic).
     """
 
     orientation: str

@@ -221,7 +221,7 @@ def hif8_quantize(x: torch.Tensor, format_max: float):
     """Current scaling: ``(codes uint8, scale fp32 [] or [E], amax)`` (amax None where the
     kernel computes it without reporting it)."""
     hif8_spec = spec(Format.HIF8)
-    if x.dtype in _HALF and hif8_spec.scale_groups(x.dim()) == 0 and x.numel() > 0:
+    if x.dtype in _HALF and x.dim() >= 2 and hif8_spec.scale_groups(x.dim()) == 0 and x.numel() > 0:
         tnpu = import_torch_npu()
         codes, scale = tnpu.npu_dynamic_quant(x, dst_type=tnpu.hifloat8, quant_mode="pertensor",
                                               dst_type_max=float(format_max))

@@ -93,8 +93,8 @@ class HiF8Tensor(QuantizedWeightTensor):
                             amax: torch.Tensor | None = None) -> None:
         """Re-quantize from ``master_shard`` (same shape) into the existing data and scale.
 
-        ``scale``: the FP32 scale to use (the optimizer passes the FSDP-group MAX-reduced
-        ``amax / 15`` for a dense shard, so every rank quantizes with the same scalar);
+        ``scale``: the FP32 scale to use (the optimizer passes the current scale of the FSDP-group
+        MAX-reduced amax, ``amax * (1 / 15)``, for a dense shard, so every rank quantizes with the same scalar);
         ``None`` computes the current scale of ``master_shard``. ``amax``: the amax ``scale`` was
         derived from, reported to quantization observers (optional).
         """
