@@ -53,6 +53,36 @@ def dynamic_quant(config: FakeNpuConfig, input, smooth_scales, group_index, dst_
     # aclnnDynamicQuantV3/V4GetWorkspaceSize: "only support socVersion Ascend950" (IsRegbase)
     if api in ("aclnnDynamicQuantV3", "aclnnDynamicQuantV4"):
         aclnn_check(config.is_950(), api, f"{api} only support socVersion Ascend950")
+    acl = _check_inputs(api, config, x, smooth_scales, group_index, dst_type, quant_mode, dst_type_max)
+    values = x.to(torch.float32)
+    if smooth_scales is not None:
+        values = values * _smooth_factor(smooth_scales, group_index, values, quant_mode)
+    if acl == "HIFLOAT8":
+        max_value = dst_type_max if dst_type_max != 0 else HIF8_DEFAULT_MAX  # dstTypeMax only for HiFloat8
+    else:
+        max_value = FP8_MAX[torch.float8_e4m3fn if acl == "FLOAT8_E4M3FN" else torch.float8_e5m2]
+    recip = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(max_value, dtype=torch.float32)
+    scaled_abs = values.abs() * recip
+    if quant_mode == "pertensor":
+        scale = scaled_abs.amax().reshape(1)
+        per_element = scale
+    elif quant_mode == "pertoken":
+        scale = scaled_abs.amax(dim=-1)
+        per_element = scale.unsqueeze(-1)
+    else:
+        scale = scaled_abs.amax(dim=-2)
+        per_element = scale.unsqueeze(-2)
+    quotient = values / per_element  # no zero guard: 0 / 0 -> NaN
+    if acl == "HIFLOAT8":
+        y = hif8_encode(quotient)
+    else:
+        y = fp8_saturating(quotient, torch.float8_e4m3fn if acl == "FLOAT8_E4M3FN" else torch.float8_e5m2)
+    return y, scale.to(torch.float32)
+
+
+def _check_inputs(api, config, x, smooth_scales, group_index, dst_type, quant_mode, dst_type_max) -> str:
+    """aclnn_dynamic_quant.cpp CheckAttr / CheckDtype / CheckShape and the arch35 tiling checks;
+    returns the ACL type of y."""
     acl = acl_of_code(dst_type) if dst_type is not None else "INT8"  # op-plugin: None -> ACL_INT8
     if acl in ("INT8", "INT32", "INT4") or dst_type == 16:
         raise not_modelled(f"npu_dynamic_quant with dst_type {dst_type} (integer output)")
@@ -81,30 +111,7 @@ def dynamic_quant(config: FakeNpuConfig, input, smooth_scales, group_index, dst_
     # tiling CheckAttrs: "The value of dst_type_max must be within the range [0, 32768]"
     aclnn_check(0 <= dst_type_max <= HIF8_DEFAULT_MAX, api, "The value of dst_type_max must be within the range [0, 32768]")
 
-    values = x.to(torch.float32)
-    if smooth_scales is not None:
-        values = values * _smooth_factor(smooth_scales, group_index, values, quant_mode)
-    if acl == "HIFLOAT8":
-        max_value = dst_type_max if dst_type_max != 0 else HIF8_DEFAULT_MAX  # dstTypeMax only for HiFloat8
-    else:
-        max_value = FP8_MAX[torch.float8_e4m3fn if acl == "FLOAT8_E4M3FN" else torch.float8_e5m2]
-    recip = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(max_value, dtype=torch.float32)
-    scaled_abs = values.abs() * recip
-    if quant_mode == "pertensor":
-        scale = scaled_abs.amax().reshape(1)
-        per_element = scale
-    elif quant_mode == "pertoken":
-        scale = scaled_abs.amax(dim=-1)
-        per_element = scale.unsqueeze(-1)
-    else:
-        scale = scaled_abs.amax(dim=-2)
-        per_element = scale.unsqueeze(-2)
-    quotient = values / per_element  # no zero guard: 0 / 0 -> NaN
-    if acl == "HIFLOAT8":
-        y = hif8_encode(quotient)
-    else:
-        y = fp8_saturating(quotient, torch.float8_e4m3fn if acl == "FLOAT8_E4M3FN" else torch.float8_e5m2)
-    return y, scale.to(torch.float32)
+    return acl
 
 
 def _smooth_factor(smooth_scales: torch.Tensor, group_index, values: torch.Tensor, quant_mode: str) -> torch.Tensor:
