@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from te_npu.formats import Format
+from te_npu.formats import spec
 from te_npu.modules.base import TEModule
 from te_npu.numerics import hif8
 from te_npu.quantizers.hif8 import hif8_amax
@@ -94,19 +94,27 @@ def refresh_low_precision_weights(
     """Re-quantize each 8-bit weight shard in place from its FP32 master shard (spec 13.6).
 
     params: ``QuantizedWeightTensor`` parameters (or DTensors over them); master_params: the
-    matching FP32 shards, same shapes. MXFP8: dual-axis from the local master shard. HiF8
-    grouped: per-expert amax of the local shard (experts are never split). HiF8 dense: the
+    matching FP32 shards, same shapes. MXFP8: row and col copies from the local master shard.
+    HiF8 grouped: per-expert amax of the local shard (experts are never split). HiF8 dense: the
     local amax is MAX-all-reduced over ``group`` (default: the parameter's FSDP mesh group)
     so every rank quantizes its rows with one scale -- identical to quantizing the full weight.
     Collectives are issued in ``params`` order, which must be the same on every rank.
+
+    Route (both backends compute the same numbers by construction): the FP32 master is
+    quantized as FP32, never rounded to BF16 first. On the NPU that means the kernels that take
+    FP32 -- MXFP8: two single-axis ``npu_dynamic_mx_quant`` calls (the dual-axis kernel takes
+    FP16 / BF16 only); HiF8: an FP32 amax (torch) and one ``npu_quantize`` with an FP32 scale
+    (``[E]`` along axis 0 for experts: no per-expert loop; ``npu_dynamic_quant`` takes FP16 /
+    BF16 only). The emulation quantizes the same FP32 values with the same arithmetic.
     """
     for param, master in zip(params, master_params, strict=True):
         shard, master_shard = _local(param), _local(master)
         if not isinstance(shard, QuantizedWeightTensor):
             raise TypeError(f"refresh_low_precision_weights: expected a quantized weight, got {type(shard).__name__}")
         scale = amax = None
-        if shard.format == Format.HIF8 and shard.dim() == 2:
-            amax = hif8_amax(master_shard)
+        fmt = spec(shard.format)
+        if not fmt.blocked and fmt.scale_groups(shard.dim()) == 0:  # one scale for the whole tensor:
+            amax = hif8_amax(master_shard)  # agreed over the FSDP group (a per-expert scale is local)
             reduce_group = group if group is not None else _mesh_group(param)
             if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=reduce_group)

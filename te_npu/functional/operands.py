@@ -14,11 +14,11 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 
 from te_npu.errors import LowPrecisionUnavailableError
-from te_npu.formats import Format, Orientation, QuantizationRole
+from te_npu.formats import Format, Orientation, QuantizationRole, spec
 from te_npu.numerics.groups import group_sizes_tensor, host_group_sizes
 from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = [
     "GemmNumerics",
@@ -31,12 +31,6 @@ __all__ = [
     "group_list_tensor",
     "unavailable",
 ]
-
-# Whether one quantization serves both orientations of a tensor. HiF8 has a per-tensor scale,
-# so the codes do not depend on the blocking direction; MXFP8 blocks along the reduction dim
-# and needs a separately quantized copy per orientation (both from the high-precision values).
-_ONE_COPY_FOR_BOTH_ORIENTATIONS = {Format.HIF8: True, Format.MXFP8_E4M3: False}
-
 
 @dataclass(frozen=True, eq=False)
 class GemmNumerics:
@@ -62,8 +56,9 @@ class GemmNumerics:
 
     @property
     def block_size(self) -> int:
-        """Elements sharing one scale along a blocked dim (MXFP8: 32; per-tensor formats: 1)."""
-        return getattr(self.quantizers[QuantizationRole.INPUT_FWD], "block_size", 1)
+        """Elements sharing one scale along a blocked dim: the quantizer's (MXFP8: 32 by default,
+        the format's ``spec(...).block_size``); 1 for per-tensor formats."""
+        return getattr(self.quantizers[QuantizationRole.INPUT_FWD], "block_size", None) or spec(self.format).block_size or 1
 
     def quantizer(self, role: QuantizationRole) -> Quantizer:
         return self.quantizers[role]
@@ -74,9 +69,9 @@ class QuantStats(NamedTuple):
 
     orientation: "row" / "col" / "both" (one copy serving both, HiF8);
     shape: the source tensor's shape; scale: the operand's scale (HiF8: FP32 ``[]`` / ``[E]``;
-    MXFP8: the E8M0 block-scale codes); amax: HiF8 ``scale * format_max`` (the amax the
-    current scale was computed from, exact up to one FP32 rounding, for a finite non-zero
-    tensor), None for MXFP8 (each block has its own amax; the codes are the statistic).
+    MXFP8: the E8M0 block-scale codes, in the backend's layout); amax: HiF8 ``scale * format_max``
+    (the amax the current scale ``amax * (1 / format_max)`` was computed from, to within two FP32
+    roundings, for a finite non-zero tensor), None for MXFP8 (each block has its own amax; the codes are the statistic).
     """
 
     orientation: str
@@ -137,7 +132,9 @@ def quantize_pair(numerics: GemmNumerics, context: GemmContext, tensor: torch.Te
         col = quantize_operand(numerics, context, tensor, col_role, "col", group_list) if need_col else None
         return row, col
     row_q, col_q = numerics.quantizer(row_role), numerics.quantizer(col_role)
-    if row_q == col_q and _ONE_COPY_FOR_BOTH_ORIENTATIONS[numerics.format]:
+    # one copy serves both orientations when the scale does not depend on the blocking
+    # direction (per-tensor formats); block formats need a copy per orientation
+    if row_q == col_q and spec(numerics.format).one_copy_for_both_orientations:
         row = row_q.quantize(tensor, orientation="row", group_list=group_list)
         context.record(row_role, "both", row_q, tensor, row)
         context.record(col_role, "both", col_q, tensor, row)

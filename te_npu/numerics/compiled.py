@@ -173,11 +173,12 @@ def _hif8_quantize_impl(x: torch.Tensor, scale: torch.Tensor, saturate: bool, ha
     return _hif8_encode_impl(x.to(torch.float32) / scale, saturate, half_t, keep_t, packed_t)
 
 
-def _hif8_current_impl(x: torch.Tensor, format_max: float, saturate: bool, half_t, keep_t, packed_t):
-    """amax -> current scale -> codes, one graph (per-tensor scale, as ``hif8.current_scale``)."""
+def _hif8_current_impl(x: torch.Tensor, reciprocal: float, saturate: bool, half_t, keep_t, packed_t):
+    """amax -> current scale -> codes, one graph (per-tensor scale, as ``hif8.current_scale``:
+    ``amax * reciprocal`` with ``reciprocal`` the FP32 ``1.0f / format_max``, as the kernel)."""
     amax = x.abs().amax().to(torch.float32)
     ok = torch.isfinite(amax) & (amax > 0)
-    scale = torch.where(ok, amax / format_max, torch.ones_like(amax))
+    scale = torch.where(ok, amax * reciprocal, torch.ones_like(amax))
     return _hif8_quantize_impl(x, scale, saturate, half_t, keep_t, packed_t), scale
 
 
@@ -303,7 +304,8 @@ def hif8_quantize_compiled(x: torch.Tensor, scale: torch.Tensor, saturate: bool 
 def hif8_current_quantize_compiled(x: torch.Tensor, format_max: float, saturate: bool = False):
     """Per-tensor current scaling in one compiled graph: ``(codes, scale)`` equal to
     ``scale = hif8.current_scale(x.abs().amax(), format_max); hif8.quantize(x, scale)``."""
-    return _compiled(_hif8_current_impl)(x, float(format_max), saturate, *hif8._encode_tables(x.device))
+    reciprocal = hif8.reciprocal_format_max(float(format_max))
+    return _compiled(_hif8_current_impl)(x, reciprocal, saturate, *hif8._encode_tables(x.device))
 
 
 def mxfp8_dequantize_compiled(data: torch.Tensor, scale: torch.Tensor, axis: int = -1,

@@ -147,14 +147,33 @@ def round_to_hif8(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
     return decode(encode(x, saturate))
 
 
-def current_scale(amax: torch.Tensor, format_max: float) -> torch.Tensor:
-    """Current-scaling factor, float32: ``amax / format_max`` where finite and > 0, else 1.0.
+@lru_cache(maxsize=None)
+def reciprocal_format_max(format_max: float) -> float:
+    """``1.0f / format_max`` rounded to FP32 (returned as the Python float holding that FP32 value).
 
-    Elementwise, so a scalar ``amax`` gives a scalar scale and ``[E]`` gives ``[E]``.
+    The constant the vendor's per-tensor kernels multiply by (``float(1.0) / maxValue``, see
+    :func:`current_scale`); an FP32 division, correctly rounded, done once per ``format_max``.
+    """
+    one = torch.ones((), dtype=torch.float32)
+    return float(one / torch.tensor(format_max, dtype=torch.float32))
+
+
+def current_scale(amax: torch.Tensor, format_max: float) -> torch.Tensor:
+    """Current-scaling factor, float32: ``amax * (1.0f / format_max)`` where finite and > 0, else 1.0.
+
+    Computed as Ascend's kernels compute it, not as the division the spec writes
+    (``amax / format_max``): ops-nn ``quant/dynamic_quant/op_kernel/arch35/
+    dynamic_quant_regbase_full_load_pertensor.h`` (``ComputeMaxRowScaleVF``) takes
+    ``max(|x| * (float(1.0) / maxValue))`` in FP32, i.e. the FP32 product of the amax and the
+    FP32 reciprocal (the max commutes with the monotone rounded multiply). The two differ by
+    one ulp for most amax values; at exact rounding ties of ``x / scale`` that flips codes, so
+    the CPU reference follows the kernel. Elementwise: a scalar ``amax`` gives a scalar scale
+    and ``[E]`` gives ``[E]``. A zero / non-finite amax gives 1.0 (the kernel has no such guard:
+    te_npu's NPU path applies it explicitly).
     """
     amax = amax.to(torch.float32)
     ok = torch.isfinite(amax) & (amax > 0)
-    return torch.where(ok, amax / format_max, torch.ones_like(amax))
+    return torch.where(ok, amax * reciprocal_format_max(format_max), torch.ones_like(amax))
 
 
 def _broadcast_scale(scale: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -166,7 +185,11 @@ def _broadcast_scale(scale: torch.Tensor, ndim: int) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor, saturate: bool = False) -> torch.Tensor:
     """HiF8 codes of ``x / scale`` (true FP32 division), ``x: [E, ...]``, ``scale`` scalar or ``[E]``.
 
-    ``saturate`` defaults to False: with ``scale = amax / format_max`` every finite element
+    A division, as the kernels divide: ops-nn ``dynamic_quant`` arch35 ``ComputeYVF``
+    (``MicroAPI::Div(x, scale)``) and ``quantize`` (aclnnQuantize, ``TPL_DIV_MODE_DIV``), both then
+    casting FP32 -> HiFloat8 with ``CAST_ROUND`` (ties away from zero), as :func:`encode` does.
+
+    ``saturate`` defaults to False: with ``scale = amax * (1 / format_max)`` every finite element
     lands inside +-format_max (<= 224 << 32768) so nothing saturates, and a NaN/Inf input keeps
     its NaN/Inf code instead of being hidden as 32768.
     """
@@ -178,4 +201,4 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return decode(codes) * _broadcast_scale(scale, codes.dim()).to(codes.device)
 
 
-__all__ = ["HIF8_MAX", "current_scale", "decode", "dequantize", "encode", "quantize", "round_to_hif8"]
+__all__ = ["HIF8_MAX", "current_scale", "reciprocal_format_max", "decode", "dequantize", "encode", "quantize", "round_to_hif8"]

@@ -174,7 +174,8 @@ def hif8_current_quantize(x: torch.Tensor, format_max: float, *, per_group: bool
         format_max: the scaled amax target (15.0 inputs/weights, 224.0 gradients).
     Returns:
         ``(codes uint8 like x, scale fp32 [] or [E], amax fp32 [] or [E])``; scale is
-        ``amax / format_max``, or 1.0 where amax is zero or not finite.
+        ``amax * (1.0f / format_max)`` in FP32 (as the vendor kernel, see ``hif8.current_scale``),
+        or 1.0 where amax is zero or not finite.
     """
     groups = x.shape[0] if per_group else 1
     if per_group and x.dim() != 3:

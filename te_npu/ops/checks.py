@@ -13,9 +13,10 @@ from te_npu.formats import Format
 from te_npu.numerics import mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
 from te_npu.numerics.groups import host_group_sizes
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops import layouts
+from te_npu.ops.operand import QuantizedOperand
 
-__all__ = ["check_gemm", "check_grouped_gemm", "mxfp8_num_blocks"]
+__all__ = ["check_gemm", "check_grouped_gemm", "expected_scale_shape", "mxfp8_num_blocks"]
 
 LAYOUTS = ("NN", "NT", "TN")
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -25,9 +26,6 @@ OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # NN dgrad dX=dY.W: dY reduces over its last dim N (row); W[N,K] over its dim -2 (col).
 # TN wgrad dW=dY^T.X: both reduce over their first dim M -> col, col.
 REQUIRED_ORIENTATION = {"NT": ("row", "row"), "NN": ("row", "col"), "TN": ("col", "col")}
-
-_DATA_DTYPE = {Format.MXFP8_E4M3: torch.float8_e4m3fn, Format.HIF8: torch.uint8}
-_SCALE_DTYPE = {Format.MXFP8_E4M3: torch.uint8, Format.HIF8: torch.float32}
 
 
 def mxfp8_num_blocks(group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> int:
@@ -39,35 +37,46 @@ def _shape(op: QuantizedOperand) -> tuple[int, ...]:
     return tuple(op.data.shape)
 
 
+def expected_scale_shape(op: QuantizedOperand) -> tuple[int, ...]:
+    """The scale shape ``op``'s data shape, orientation, groups and scale layout call for."""
+    fmt, shape = op.spec, _shape(op)
+    num_blocks = None if op.group_sizes is None else mxfp8_num_blocks(op.group_sizes, fmt.block_size)
+    canonical = fmt.canonical_scale_shape(shape, op.orientation, num_blocks)
+    if op.scale_layout == "canonical" or not fmt.blocked:
+        return canonical
+    if op.group_sizes is not None:  # kernel ragged layout: T // 64 + G pair rows
+        return (layouts.grouped_num_pairs(op.group_sizes), shape[1], 2)
+    if op.orientation == "row":  # [..., M, ceil(nb / 2), 2]
+        return canonical[:-1] + (math.ceil(canonical[-1] / 2), 2)
+    return canonical[:-2] + (math.ceil(canonical[-2] / 2), canonical[-1], 2)  # [..., P, N, 2]
+
+
 def _check_operand(op: QuantizedOperand, name: str) -> None:
-    fmt = Format(op.format)
-    if op.data.dtype != _DATA_DTYPE[fmt]:
-        raise ValueError(f"{name} operand ({fmt.value}) data must be {_DATA_DTYPE[fmt]}, got {op.data.dtype}")
-    if op.scale.dtype != _SCALE_DTYPE[fmt]:
-        raise ValueError(f"{name} operand ({fmt.value}) scale must be {_SCALE_DTYPE[fmt]}, got {op.scale.dtype}")
+    fmt = op.spec
+    what = f"{name} operand ({fmt.format.value})"
+    if op.data.dtype != fmt.data_dtype:
+        raise ValueError(f"{what} data must be {fmt.data_dtype}, got {op.data.dtype}")
+    if op.scale.dtype != fmt.scale_dtype:
+        raise ValueError(f"{what} scale must be {fmt.scale_dtype}, got {op.scale.dtype}")
     if op.orientation not in ("row", "col"):
         raise ValueError(f"{name} operand orientation must be 'row' or 'col', got {op.orientation!r}")
+    if op.scale_layout not in ("canonical", "npu"):
+        raise ValueError(f"{name} operand scale_layout must be 'canonical' or 'npu', got {op.scale_layout!r}")
     shape = _shape(op)
-    if fmt == Format.HIF8:
-        expected = (shape[0],) if len(shape) == 3 else None
-        if (expected is None and op.scale.numel() != 1) or (expected is not None and tuple(op.scale.shape) != expected):
-            want = f"[{shape[0]}] (one per leading group)" if expected else "[] (one per tensor)"
-            raise ValueError(f"{name} HiF8 operand of shape {shape} needs an FP32 scale {want}, got {tuple(op.scale.shape)}")
-        return
-    if op.group_sizes is not None:
-        if op.orientation != "col" or len(shape) != 2:
-            raise ValueError(f"{name} ragged MXFP8 operand must be a 2D col operand, got {op.orientation} {shape}")
-        expected = (mxfp8_num_blocks(op.group_sizes), shape[1])
-    elif op.orientation == "row":
-        expected = shape[:-1] + (math.ceil(shape[-1] / MX_BLOCK_SIZE),)
-    else:
-        if len(shape) < 2:
-            raise ValueError(f"{name} col operand needs at least 2 dims, got {shape}")
-        expected = shape[:-2] + (math.ceil(shape[-2] / MX_BLOCK_SIZE), shape[-1])
+    if op.group_sizes is not None and (not fmt.blocked or op.orientation != "col" or len(shape) != 2):
+        raise ValueError(f"{what}: group_sizes (ragged blocks) need a 2D col operand of a block format, "
+                         f"got {op.orientation} {shape}")
+    if fmt.blocked and op.orientation == "col" and len(shape) < 2:
+        raise ValueError(f"{name} col operand needs at least 2 dims, got {shape}")
+    expected = expected_scale_shape(op)
     if tuple(op.scale.shape) != expected:
+        if not fmt.blocked:
+            want = f"[{shape[0]}] (one per leading group)" if expected else "[] (one per tensor)"
+            raise ValueError(f"{name} HiF8 operand of shape {shape} needs an FP32 scale {want}, "
+                             f"got {tuple(op.scale.shape)}")
         raise ValueError(
-            f"{name} MXFP8 {op.orientation} operand of shape {shape} needs an E8M0 scale of shape {expected}, "
-            f"got {tuple(op.scale.shape)}"
+            f"{what} {op.orientation} operand of shape {shape} needs a {op.scale_layout} E8M0 scale of shape "
+            f"{expected}, got {tuple(op.scale.shape)}"
         )
 
 
@@ -83,7 +92,7 @@ def _check_common(left: QuantizedOperand, right: QuantizedOperand, layout: str, 
     _check_operand(left, "left")
     _check_operand(right, "right")
     fmt = Format(left.format)
-    if fmt == Format.MXFP8_E4M3:
+    if left.spec.blocked:  # block scales live inside the reduction: blocked along it, both sides
         want = REQUIRED_ORIENTATION[layout]
         if (left.orientation, right.orientation) != want:
             raise ValueError(
@@ -143,7 +152,7 @@ def check_grouped_gemm(
         if ls[0] != rs[0]:
             raise _mismatch(layout, left, right, "dY[T,N]^T . X[T,K] needs equal T")
         _check_group_list(group_list, ls[0], None)
-        if fmt == Format.MXFP8_E4M3:
+        if left.spec.blocked:
             for name, op in (("left", left), ("right", right)):
                 if op.group_sizes is None:
                     raise ValueError(f"grouped TN MXFP8 {name} operand must be ragged col (group_sizes set), got none")

@@ -19,8 +19,10 @@ to FP32 summation order):
   headroom at the top of the range: a block code above 243 (block amax >= 2**125) decodes to
   inf, and a product above 2**122 overflows, where the FP32 plan would stay finite. Enabling
   TF32 (``torch.backends.cuda.matmul.allow_tf32``) would make FP32 paths inexact.
-HiF8 scales multiply the FP32 product: ``(P * left.scale) * right.scale``; the last multiply
-writes the output dtype directly (one pass, one rounding).
+HiF8 scales multiply the FP32 product in the kernels' documented order, the right (x2 / weight)
+scale first: ``(P * right.scale) * left.scale`` (aclnnQuantMatmulV5 / aclnnGroupedMatmulV4:
+``y = (x1 @ x2) * x2Scale * x1Scale``); the last multiply writes the output dtype directly (one
+pass, one rounding).
 
 Quantization runs ``te_npu.numerics`` (eager torch) unless ``TE_NPU_QUANT_KERNEL`` picks one of
 the bit-identical faster kernels (see :func:`quant_kernel`); a picked kernel that cannot be built
@@ -34,11 +36,12 @@ import os
 
 import torch
 
-from te_npu.formats import Format
+from te_npu.formats import Format, spec
 from te_npu.numerics import hif8, mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
 from te_npu.numerics.groups import host_group_sizes, with_mirror_of
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.layouts import to_canonical
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = [
     "NAME",
@@ -53,6 +56,8 @@ __all__ = [
 ]
 
 NAME = "emulation"
+SCALE_LAYOUT = "canonical"
+"""Layout of the scales this backend's quantizations return (and its GEMMs read)."""
 
 BF16_GEMM_DEVICES = frozenset({"cuda"})
 """Device types whose emulated GEMMs take BF16 operands (the BF16 plan); others decode to FP32."""
@@ -85,7 +90,9 @@ def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32, scale_shift
     """Exact high-precision values of an operand. MXFP8: scales folded in, each raised by
     ``2**scale_shift`` (exact; the BF16 plan uses 3); HiF8: codes only (the FP32 tensor scale is
     applied to the GEMM product, as the kernel does). ``TE_NPU_QUANT_KERNEL=compiled`` decodes
-    compiled too, ``native`` with the C++ table decode for FP32 on CPU (same values)."""
+    compiled too, ``native`` with the C++ table decode for FP32 on CPU (same values). An operand
+    in the kernels' ``npu`` scale layout is read through its canonical conversion."""
+    op = to_canonical(op)
     kernel = quant_kernel(op.data)
     compiled = None
     if kernel == "compiled":
@@ -93,7 +100,7 @@ def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32, scale_shift
     native = kernel == "native" and dtype == torch.float32 and op.data.dim() >= 2
     if native:
         from te_npu.numerics import native_cpu
-    if Format(op.format) == Format.HIF8:
+    if not op.spec.blocked:  # per-tensor scale: applied to the product, not here
         if native:
             return native_cpu.hif8_decode(op.data)
         return hif8.decode(op.data).to(dtype) if compiled is None else compiled.hif8_decode_compiled(op.data, dtype)
@@ -127,7 +134,7 @@ def _decode_pair(left: QuantizedOperand, right: QuantizedOperand) -> tuple[torch
     raise on the FP32 product (1.0 in the FP32 plan and for HiF8)."""
     if not uses_bf16_plan(left.data.device):
         return decode(left), decode(right), 1.0
-    shift = BF16_MXFP8_SCALE_SHIFT if Format(left.format) == Format.MXFP8_E4M3 else 0
+    shift = BF16_MXFP8_SCALE_SHIFT if left.spec.blocked else 0
     a, b = decode(left, torch.bfloat16, shift), decode(right, torch.bfloat16, shift)
     return a, b, 2.0 ** (-2 * shift)
 
@@ -198,9 +205,9 @@ def matmul(left: QuantizedOperand, right: QuantizedOperand, layout: str, output_
         product = _mm(a, b)
     else:
         product = _mm(a.t(), b)
-    if Format(left.format) == Format.HIF8:
-        return _epilogue(product.mul_(left.scale.reshape(())), right.scale.reshape(()), output_dtype)
-    return _epilogue(product, unraise, output_dtype)
+    if left.spec.blocked:  # block scales were folded into the decode
+        return _epilogue(product, unraise, output_dtype)
+    return _epilogue(product.mul_(right.scale.reshape(())), left.scale.reshape(()), output_dtype)
 
 
 def grouped_matmul(
@@ -215,21 +222,21 @@ def grouped_matmul(
     counts = with_mirror_of(group_list.to(torch.int64), group_list)
     # MXFP8 into BF16: rounding the raised product to BF16, then the exact power-of-two unraise,
     # equals rounding the product once (HiF8's arbitrary scales must multiply the FP32 product)
-    bf16_product = Format(left.format) == Format.MXFP8_E4M3 and output_dtype == torch.bfloat16
+    bf16_product = left.spec.blocked and output_dtype == torch.bfloat16
     if layout == "NT":
         product = _grouped_mm(a, b.transpose(-1, -2), counts, "m", bf16_product)  # [T,K] x [G,K,N] -> [T,N]
     elif layout == "NN":
         product = _grouped_mm(a, b, counts, "m", bf16_product)  # [T,N] x [G,N,K] -> [T,K]
     else:
         product = _grouped_mm(a.t(), b, counts, "k", bf16_product)  # [N,T] x [T,K] -> [G,N,K]
-    if Format(left.format) != Format.HIF8:
+    if left.spec.blocked:
         return _epilogue(product, unraise, output_dtype)
-    product = product.mul_(left.scale.reshape(()))
     if layout == "TN":
-        return _epilogue(product, right.scale.reshape(()), output_dtype)
-    # per-expert weight scale [G] -> one factor per token row
-    row_scale = torch.repeat_interleave(right.scale, counts.to(right.scale.device), output_size=a.shape[0])
-    return _epilogue(product, row_scale.unsqueeze(-1), output_dtype)
+        product = product.mul_(right.scale.reshape(()))
+    else:  # per-expert weight scale [G] -> one factor per token row
+        row_scale = torch.repeat_interleave(right.scale, counts.to(right.scale.device), output_size=a.shape[0])
+        product = product.mul_(row_scale.unsqueeze(-1))
+    return _epilogue(product, left.scale.reshape(()), output_dtype)
 
 
 # ---------------------------------------------------------------- quantization
@@ -296,8 +303,7 @@ def mxfp8_quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_siz
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """FP32 amax: ``[]`` for 1D/2D, ``[E]`` per leading group of a 3D weight (NaN propagates)."""
-    magnitude = x.detach().abs().float()
-    return magnitude.amax(dim=(1, 2)) if x.dim() == 3 else magnitude.amax()
+    return x.detach().abs().float().amax(dim=spec(Format.HIF8).amax_dims(x.dim()))
 
 
 def hif8_quantize(x: torch.Tensor, format_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -305,7 +311,7 @@ def hif8_quantize(x: torch.Tensor, format_max: float) -> tuple[torch.Tensor, tor
     if quant_kernel(x) == "native" and x.numel() > 0:
         from te_npu.numerics import native_cpu
 
-        return native_cpu.hif8_current_quantize(x, format_max, per_group=x.dim() == 3)
+        return native_cpu.hif8_current_quantize(x, format_max, per_group=spec(Format.HIF8).scale_groups(x.dim()) == 1)
     current_amax = amax(x)
     scale = hif8.current_scale(current_amax, format_max)
     return hif8_quantize_with_scale(x, scale), scale, current_amax

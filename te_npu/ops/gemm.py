@@ -19,7 +19,7 @@ from te_npu.formats import Format
 from te_npu.ops.checks import check_gemm, check_grouped_gemm
 from te_npu.ops.observe import GEMM_OF_LAYOUT, GemmEvent, emit, has_observers
 from te_npu.ops.registry import backend_for
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["low_precision_matmul", "low_precision_grouped_matmul"]
 

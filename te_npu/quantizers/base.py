@@ -6,7 +6,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from te_npu.formats import Format, Orientation
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["Quantizer"]
 

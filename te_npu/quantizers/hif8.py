@@ -1,4 +1,5 @@
-"""HiF8 current-scaling quantizer: FP32 scale = amax / format_max of the tensor being quantized."""
+"""HiF8 current-scaling quantizer: FP32 scale = amax * (1 / format_max) of the tensor being quantized
+(the FP32 reciprocal, as Ascend's kernels compute it: ``te_npu.numerics.hif8.current_scale``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,9 +7,9 @@ from typing import ClassVar
 
 import torch
 
-from te_npu.formats import Format, Orientation
+from te_npu.formats import Format, Orientation, spec
 from te_npu import ops
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["HiF8Quantizer", "hif8_amax"]
 
@@ -18,10 +19,7 @@ def hif8_amax(tensor: torch.Tensor) -> torch.Tensor:
 
     NaN anywhere in a group makes its amax NaN (and so its scale 1.0).
     """
-    magnitude = tensor.detach().abs().float()
-    if tensor.dim() == 3:
-        return magnitude.amax(dim=(1, 2))
-    return magnitude.amax()
+    return tensor.detach().abs().float().amax(dim=spec(Format.HIF8).amax_dims(tensor.dim()))
 
 
 @dataclass(frozen=True)
@@ -45,13 +43,11 @@ class HiF8Quantizer:
         """Quantize ``tensor``; ``group_list`` is accepted and ignored (one scale per 2D operand)."""
         if orientation not in ("row", "col"):
             raise ValueError(f"orientation must be 'row' or 'col', got {orientation!r}")
-        codes, scale = ops.hif8_quantize(tensor, self.format_max, orientation=orientation)
-        return QuantizedOperand(codes, scale, tensor.dtype, self.format, orientation)
+        return ops.quantize_hif8(tensor, self.format_max, orientation=orientation)
 
     def quantize_with_scale(self, tensor: torch.Tensor, scale: torch.Tensor,
                             amax: torch.Tensor | None = None) -> QuantizedOperand:
         """Quantize with a given FP32 scale (e.g. one agreed on across FSDP ranks); ``amax``, the
-        value the scale was derived from (``scale = amax / format_max``), is reported to observers."""
-        codes = ops.hif8_quantize_with_scale(tensor, scale, orientation="row", amax=amax,
-                                             format_max=None if amax is None else self.format_max)
-        return QuantizedOperand(codes, scale, tensor.dtype, self.format, "row")
+        value the scale was derived from (``scale = amax * (1 / format_max)``), is reported to observers."""
+        return ops.quantize_hif8_with_scale(tensor, scale, orientation="row", amax=amax,
+                                            format_max=None if amax is None else self.format_max)

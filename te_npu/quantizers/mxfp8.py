@@ -8,12 +8,9 @@ import torch
 
 from te_npu.formats import Format, Orientation
 from te_npu import ops
-from te_npu.numerics.groups import with_mirror_of
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["MXFP8Quantizer"]
-
-_AXIS = {"row": -1, "col": -2}
 
 
 @dataclass(frozen=True)
@@ -35,22 +32,14 @@ class MXFP8Quantizer:
         orientation: Orientation,
         group_list: torch.Tensor | None = None,
     ) -> QuantizedOperand:
-        """Quantize ``tensor`` ``[..., M, K]`` along K (``row``) or M (``col``)."""
-        if orientation not in _AXIS:
-            raise ValueError(f"orientation must be 'row' or 'col', got {orientation!r}")
-        if orientation == "col" and group_list is not None:
-            if tensor.dim() != 2:
-                raise ValueError(f"grouped col quantization needs a 2D [T, K] tensor, got shape {tuple(tensor.shape)}")
-            group_sizes = with_mirror_of(group_list.to(device=tensor.device, dtype=torch.int64), group_list)
-            data, scale = ops.mxfp8_quantize_grouped(tensor, group_sizes, self.block_size, self.scale_alg)
-            return QuantizedOperand(data, scale, tensor.dtype, self.format, "col", group_sizes)
-        data, scale = ops.mxfp8_quantize(tensor, axis=_AXIS[orientation], block_size=self.block_size, scale_alg=self.scale_alg)
-        return QuantizedOperand(data, scale, tensor.dtype, self.format, orientation)
+        """Quantize ``tensor`` ``[..., M, K]`` along K (``row``) or M (``col``); the scale is in the
+        backend's layout (``QuantizedOperand.scale_layout``)."""
+        if orientation == "col" and group_list is not None and tensor.dim() != 2:
+            raise ValueError(f"grouped col quantization needs a 2D [T, K] tensor, got shape {tuple(tensor.shape)}")
+        group_sizes = group_list if orientation == "col" else None
+        return ops.quantize_mxfp8(tensor, orientation, group_sizes=group_sizes, block_size=self.block_size,
+                                  scale_alg=self.scale_alg)
 
     def quantize_dual(self, tensor: torch.Tensor) -> tuple[QuantizedOperand, QuantizedOperand]:
         """Row and col operands of a weight ``[..., N, K]``, both from the high-precision values."""
-        row_data, row_scale, col_data, col_scale = ops.mxfp8_quantize_dual(tensor, self.block_size, self.scale_alg)
-        return (
-            QuantizedOperand(row_data, row_scale, tensor.dtype, self.format, "row"),
-            QuantizedOperand(col_data, col_scale, tensor.dtype, self.format, "col"),
-        )
+        return ops.quantize_mxfp8_dual(tensor, block_size=self.block_size, scale_alg=self.scale_alg)

@@ -1,5 +1,5 @@
 """Quantized tensors: short-lived GEMM operands and persistent 8-bit weights."""
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 from te_npu.tensor.weight import QuantizedWeightTensor
 from te_npu.tensor.mxfp8_tensor import MXFP8Tensor
 from te_npu.tensor.hif8_tensor import HiF8Tensor

@@ -26,8 +26,8 @@ import torch
 from te_npu.formats import Format, Orientation
 from te_npu.numerics import hif8
 from te_npu.numerics.constants import HIF8_INPUT_MAX
-from te_npu.quantizers.hif8 import HiF8Quantizer  # submodule: te_npu.quantizers imports tensor.operand
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.quantizers.hif8 import HiF8Quantizer
+from te_npu.ops.operand import QuantizedOperand
 from te_npu.tensor.weight import QuantizedWeightTensor
 
 __all__ = ["HiF8Tensor"]
@@ -93,8 +93,8 @@ class HiF8Tensor(QuantizedWeightTensor):
                             amax: torch.Tensor | None = None) -> None:
         """Re-quantize from ``master_shard`` (same shape) into the existing data and scale.
 
-        ``scale``: the FP32 scale to use (the optimizer passes the FSDP-group MAX-reduced
-        ``amax / 15`` for a dense shard, so every rank quantizes with the same scalar);
+        ``scale``: the FP32 scale to use (the optimizer passes the current scale of the FSDP-group
+        MAX-reduced amax, ``amax * (1 / 15)``, for a dense shard, so every rank quantizes with the same scalar);
         ``None`` computes the current scale of ``master_shard``. ``amax``: the amax ``scale`` was
         derived from, reported to quantization observers (optional).
         """

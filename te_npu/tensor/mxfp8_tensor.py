@@ -21,9 +21,10 @@ from typing import ClassVar
 import torch
 
 from te_npu.formats import Format, Orientation
-from te_npu.quantizers.mxfp8 import MXFP8Quantizer  # submodule: te_npu.quantizers imports tensor.operand
+from te_npu.quantizers.mxfp8 import MXFP8Quantizer
 from te_npu.numerics import mxfp8
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.layouts import copy_canonical_scale_, to_canonical
+from te_npu.ops.operand import QuantizedOperand
 from te_npu.tensor.weight import QuantizedWeightTensor
 
 __all__ = ["MXFP8Tensor"]
@@ -56,7 +57,9 @@ class MXFP8Tensor(QuantizedWeightTensor):
         quantizer = quantizer or MXFP8Quantizer()
         if w.dim() not in (2, 3):
             raise ValueError(f"MXFP8Tensor: expected a 2D [N, K] or 3D [E, N, K] weight, got shape {list(w.shape)}")
-        row, col = quantizer.quantize_dual(w.detach())
+        # the stored scales are canonical (FSDP2 shards them on 32-row blocks); an NPU kernel's
+        # pair layout is converted here, once per weight, not per GEMM input
+        row, col = (to_canonical(op) for op in quantizer.quantize_dual(w.detach()))
         inner = {"row_data": row.data, "row_scale": row.scale, "col_data": col.data, "col_scale": col.scale}
         return cls._make(inner, shape=w.shape, logical_dtype=w.dtype, quantizer=quantizer, requires_grad=requires_grad)
 
@@ -114,11 +117,11 @@ class MXFP8Tensor(QuantizedWeightTensor):
 
     def _requantize_(self, high_precision: torch.Tensor) -> None:
         row, col = self._quantizer.quantize_dual(high_precision.detach())
-        with torch.no_grad():
+        with torch.no_grad():  # scales written canonical straight from the kernel's layout, one copy each
             self.row_data.copy_(row.data)
-            self.row_scale.copy_(row.scale)
+            copy_canonical_scale_(self.row_scale, row)
             self.col_data.copy_(col.data)
-            self.col_scale.copy_(col.scale)
+            copy_canonical_scale_(self.col_scale, col)
 
     def _slice_dim0(self, start: int, stop: int) -> "MXFP8Tensor":
         shape = list(self.shape)

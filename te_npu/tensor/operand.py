@@ -1,44 +1,5 @@
-"""``QuantizedOperand``: one short-lived 8-bit input of one MM / GMM (spec section 7.4)."""
-from __future__ import annotations
-
-from dataclasses import dataclass
-
-import torch
-
-from te_npu.formats import Format, Orientation
+"""``te_npu.tensor.operand.QuantizedOperand``: an alias of :class:`te_npu.ops.operand.QuantizedOperand`,
+the GEMM input type (it moved to the ops level; this name stays for existing imports)."""
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["QuantizedOperand"]
-
-
-@dataclass(frozen=True)
-class QuantizedOperand:
-    """8-bit data plus the scales needed to read it, in one GEMM orientation.
-
-    data: the logical shape of the source tensor (never transposed). MXFP8:
-        ``torch.float8_e4m3fn``; HiF8: ``torch.uint8`` HiFloat8 codes.
-    scale: MXFP8: ``torch.uint8`` E8M0 codes, the data's shape with the blocked axis
-        divided by 32 (``row``: last dim; ``col``: second-to-last dim; ragged ``col``:
-        ``[num_blocks, K]`` with blocks restarting at each group of ``group_sizes``).
-        HiF8: FP32, ``[]`` per tensor or ``[E]`` per leading group of a 3D weight.
-    logical_dtype: dtype of the high-precision tensor this stands for (e.g. bfloat16).
-    format: the 8-bit format.
-    orientation: ``row`` or ``col``, see ``te_npu.formats.Orientation``.
-    group_sizes: MXFP8 ragged ``col`` operands only: int64 ``[G]`` row counts per group.
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    logical_dtype: torch.dtype
-    format: Format
-    orientation: Orientation
-    group_sizes: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        """Logical shape of the operand."""
-        return self.data.shape
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the payload."""
-        return self.data.device

@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from te_npu.formats import Format, Orientation
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["QuantizedWeightTensor", "implements"]
 

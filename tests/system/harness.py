@@ -23,6 +23,7 @@ The model is the ``dsv3_tiny`` preset, shrunk by ``TINY_MODEL_OVERRIDES`` for sp
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections import Counter, defaultdict
@@ -191,6 +192,7 @@ def _weight_state(trainer) -> dict:
     """Per quantized weight: class, local shapes; HiF8 local scales and whether they match the master."""
     import torch.distributed as dist
 
+    from te_npu.numerics import hif8
     from te_npu.quantizers.hif8 import hif8_amax
     from te_npu.tensor import QuantizedWeightTensor
 
@@ -202,14 +204,14 @@ def _weight_state(trainer) -> dict:
         info = {"cls": type(local).__name__, "shape": tuple(p.shape), "local_shape": tuple(local.shape),
                 "sharded": hasattr(p, "_local_tensor")}
         if local.format.value == "hif8":
-            # current scaling from the FP32 master: amax / 15 (weights use the input maximum).
+            # current scaling from the FP32 master: amax * (1 / 15) (weights use the input maximum).
             # Grouped: per local expert from its own master; dense: amax MAX-reduced over the
             # FSDP group (the full weight's amax), so every rank holds the same scalar.
             amax = hif8_amax(_local(trainer.optimizer.masters[fqn])).float()
             if local.dim() == 2 and info["sharded"] and dist.is_initialized():
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX)
             info["scale"] = local.scale.clone()
-            info["scale_matches_master"] = bool(torch.equal(local.scale, amax / 15.0))
+            info["scale_matches_master"] = bool(torch.equal(local.scale, hif8.current_scale(amax, 15.0)))
         out[fqn] = info
     return out
 
@@ -236,6 +238,7 @@ def _run(cfg, steps: int, *, save_at: int | None = None, save_dir: str | None = 
             "setup_refreshes": setup_refreshes,
             "weights": _weight_state(trainer),
             "optimizer_dtypes": _optimizer_dtypes(trainer),
+            "masters": {fqn: _local(m).detach().clone() for fqn, m in trainer.optimizer.masters.items()},
             "replicated": dict(trainer.shard_plan.replicated) if trainer.shard_plan else {},
             "param_names": [name for name, _ in trainer.model.named_parameters()],
             "buffer_names": [n for n in trainer.model.state_dict() if n not in dict(trainer.model.named_parameters())],
@@ -255,8 +258,22 @@ PHASES = {
 """phase -> (overrides on top of ``st_overrides``, optimizer steps)."""
 
 
-def run_main_worker(rank, world, workdir, data_dir, fmt, phases):
-    """One spawned 2-rank job, several phases (each a fresh ``Trainer`` in the same process group):
+@contextlib.contextmanager
+def _backend(backend: str):
+    """``"emulation"``: as is. ``"npu"``: every TE quantization and GEMM of the block runs through
+    ``te_npu/ops/npu.py`` on the vendor-faithful fake torch_npu (installed in this process)."""
+    if backend == "emulation":
+        yield
+        return
+    from tests.npu_backend import npu_backend_process
+
+    with npu_backend_process():
+        yield
+
+
+def run_main_worker(rank, world, workdir, data_dir, fmt, phases, backend="emulation"):
+    """One spawned 2-rank job, several phases (each a fresh ``Trainer`` in the same process group),
+    on ``backend`` ("emulation", or "npu": the NPU wrappers through the fake torch_npu):
 
     - ``main``: 20 steps, reshard_after_forward true, accumulation 1, DCP save after step 17;
     - ``variant``: reshard_after_forward false + activation_checkpoint full + accumulation 2, 3 steps;
@@ -264,6 +281,11 @@ def run_main_worker(rank, world, workdir, data_dir, fmt, phases):
     - ``misaligned``: MXFP8 with hidden_size 96 (o_proj / down_proj local rows 48): setup must
       raise ``ConfigError``; with ``fallback_to_unsharded: true`` it trains 2 steps.
     """
+    with _backend(backend):
+        return _main_phases(workdir, data_dir, fmt, phases)
+
+
+def _main_phases(workdir, data_dir, fmt, phases) -> dict:
     out = {}
     for phase in phases:
         if phase in PHASES:
@@ -290,8 +312,13 @@ def run_main_worker(rank, world, workdir, data_dir, fmt, phases):
     return out
 
 
-def run_resume_worker(rank, world, workdir, data_dir, fmt, steps):
+def run_resume_worker(rank, world, workdir, data_dir, fmt, steps, backend="emulation"):
     """Fresh processes: a new ``Trainer`` is set up, ``load_dcp`` restores step N, then ``steps`` more."""
+    with _backend(backend):
+        return _resume(workdir, data_dir, fmt, steps)
+
+
+def _resume(workdir, data_dir, fmt, steps) -> dict:
     cfg = st_config(fmt, Path(workdir) / "resume", data_dir)
     lines: list[str] = []
     trainer, probe = _trainer(cfg, lines)

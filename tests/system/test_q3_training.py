@@ -107,7 +107,9 @@ def test_q3_03_hif8_scales_are_current_amax_over_format_max(hif8_run):
             assert e.scale.dtype == torch.float32 and e.amax.dtype == torch.float32
             assert torch.isfinite(e.scale).all() and (e.scale > 0).all()
             amax = e.amax.float()
-            expected = torch.where(torch.isfinite(amax) & (amax > 0), amax / e.format_max, torch.ones_like(amax))
+            # the kernel's formula amax * (1.0f / format_max) in FP32 (te_npu.numerics.hif8.current_scale)
+            recip = float(torch.tensor(1.0) / torch.tensor(e.format_max))
+            expected = torch.where(torch.isfinite(amax) & (amax > 0), amax * recip, torch.ones_like(amax))
             assert torch.equal(e.scale, expected), (e.shape, e.format_max, e.amax, e.scale)
         # Activations (forward/backward) use 15 for inputs and 224 for gradients; weights 15.
         fb = {e.format_max for e in probe.quant_events_in("forward_backward")}

@@ -1,5 +1,5 @@
 // HiFloat8 current-scaling quantization of a CPU tensor: amax per tensor (or per leading group),
-// scale = amax / format_max (1.0 if amax is 0 or not finite), codes of x / scale, bit-identical
+// scale = amax * (1.0f / format_max) (1.0 if amax is 0 or not finite), codes of x / scale, bit-identical
 // to te_npu.numerics.hif8 (the reference and the default; see te_npu/numerics/native_cpu.py).
 //
 // The encoder is branch-free integer arithmetic on fp32 bits, written so the compiler
@@ -120,7 +120,11 @@ void quantize_groups(const T* x, int64_t groups, int64_t group_numel, double for
     const float a = as_float(amax_bits<T>(xg, group_numel));
     const bool ok = std::isfinite(a) && a > 0.0f;
     amax[g] = a;
-    scale[g] = ok ? a / static_cast<float>(format_max) : 1.0f;
+    // amax * (1.0f / format_max) in FP32, as Ascend's per-tensor kernels compute it (ops-nn
+    // quant/dynamic_quant arch35 dynamic_quant_regbase_full_load_pertensor.h: Muls by
+    // float(1.0) / maxValue), not the division amax / format_max (they differ by an ulp).
+    const float reciprocal = 1.0f / static_cast<float>(format_max);
+    scale[g] = ok ? a * reciprocal : 1.0f;
     encode_group<T>(xg, group_numel, scale[g], saturate, out + g * group_numel);
   }
 }
@@ -128,7 +132,7 @@ void quantize_groups(const T* x, int64_t groups, int64_t group_numel, double for
 }  // namespace
 
 // x: contiguous bf16/fp32 CPU tensor viewed as [groups, group_numel]; writes codes (uint8, x's
-// numel), amax and scale (fp32, [groups]). scale = amax / format_max in fp32, as hif8.current_scale.
+// numel), amax and scale (fp32, [groups]). scale = amax * (1.0f / format_max) in fp32, as hif8.current_scale.
 void hif8_quantize_into(const at::Tensor& x, int64_t groups, double format_max, bool saturate, const at::Tensor& codes,
                         const at::Tensor& amax, const at::Tensor& scale) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "hif8_cpu: needs a contiguous CPU tensor");

@@ -164,10 +164,11 @@ def test_te_linear_quant_stats(recipe, rand):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_te_modules_run_npu_backend_through_fake(recipe, rand, monkeypatch):
-    """The npu wrappers (te_npu.ops.npu) run on CPU through the recording fake torch_npu: every
-    GEMM and quantization of one fwd+bwd goes to torch_npu ops, and the result equals emulation."""
-    from te_npu.ops import registry
-    from tests.fakes import install_fake_torch_npu
+    """The npu wrappers (te_npu.ops.npu) run on CPU through the vendor-faithful fake torch_npu
+    (te_npu.ops.force_backend("npu")): every GEMM and quantization of one fwd+bwd goes to
+    torch_npu ops, and the result equals the emulation bitwise."""
+    from te_npu.ops import force_backend
+    from tests.npu_backend import install_npu_backend
 
     torch.manual_seed(0)
     lin = te_npu.TELinear(64, 96)
@@ -183,18 +184,17 @@ def test_te_modules_run_npu_backend_through_fake(recipe, rand, monkeypatch):
         return [xi.grad, xgi.grad, lin.weight.grad, experts.weight.grad]
 
     expected = step()
-    fake = install_fake_torch_npu(monkeypatch)
-    monkeypatch.setitem(registry._BY_DEVICE_TYPE, "cpu", registry.npu)
+    fake = install_npu_backend(monkeypatch)
     for module in (lin, experts):
         for cache in module._weight_caches.values():
             cache.clear()
     events = []
-    with observe(events.append):
+    with observe(events.append), force_backend("npu"):
         got = step()
     assert {e.backend for e in events} == {"npu"}
     assert len(fake.calls_of("npu_quant_matmul")) == 3 and len(fake.calls_of("npu_grouped_matmul")) == 3
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3)
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -101,6 +101,9 @@ def test_compiled_hif8_quantize_and_current_scaling_equal_eager(gen):
     assert_bitwise_equal([compiled.hif8_quantize_compiled(x, scale)], [hif8.quantize(x, scale)])
     codes, got_scale = compiled.hif8_current_quantize_compiled(x, 15.0)
     assert torch.equal(got_scale, scale)
+    # the kernel's formula (ops-nn dynamic_quant arch35 pertensor): amax * (1.0f / 15.0f), in FP32
+    amax = np.float32(x.abs().amax().float().item())
+    assert got_scale.item() == float(amax * (np.float32(1.0) / np.float32(15.0)))
     assert torch.equal(codes, hif8.quantize(x, scale))
     x3 = mixed_input((3, 32, 64), gen, torch.float32, specials=False)
     scales = hif8.current_scale(x3.abs().amax(dim=(1, 2)), 224.0)  # per-group [E] scale

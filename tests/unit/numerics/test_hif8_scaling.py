@@ -1,6 +1,7 @@
 """HiF8 current scaling: ``current_scale``, ``quantize`` and ``dequantize``."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,36 @@ def test_hif8_current_scale_cases(amax, fmax, expected):
 
 def test_hif8_current_scale_per_group():
     amax = torch.tensor([15.0, 0.0, math.inf, 1.5])
-    assert torch.equal(hif8.current_scale(amax, HIF8_INPUT_MAX), torch.tensor([1.0, 1.0, 1.0, 0.1]))
+    tenth = float(np.float32(1.5) * (np.float32(1.0) / np.float32(15.0)))  # kernel formula: 0.1f + 1 ulp
+    assert tenth != float(np.float32(0.1))
+    assert torch.equal(hif8.current_scale(amax, HIF8_INPUT_MAX), torch.tensor([1.0, 1.0, 1.0, tenth]))
+
+
+def _one_binade_fp32() -> np.ndarray:
+    """Every float32 in [1, 2): all 2**23 mantissas."""
+    return (np.arange(1 << 23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
+
+
+@pytest.mark.parametrize("fmax", [HIF8_INPUT_MAX, HIF8_GRAD_MAX], ids=["input", "grad"])
+def test_hif8_current_scale_multiplies_by_fp32_reciprocal_as_the_kernel(fmax):
+    """ops-nn quant/dynamic_quant/op_kernel/arch35/dynamic_quant_regbase_full_load_pertensor.h
+    (ComputeMaxRowScaleVF): ``Muls(|x|, float(1.0) / maxValue)`` then a max, all FP32. The
+    reference below is numpy FP32 arithmetic, independent of torch. One binade is exhaustive
+    for every amax whose scale is a normal float: scaling amax by 2**k scales both exact
+    results by 2**k, so they round alike."""
+    amax = _one_binade_fp32()
+    kernel = amax * (np.float32(1.0) / np.float32(fmax))  # FP32 product with the FP32 reciprocal
+    spec = amax / np.float32(fmax)  # the spec's amax / format_max, one FP32 division
+    got = hif8.current_scale(torch.from_numpy(amax), fmax).numpy()
+    assert np.array_equal(got.view(np.uint32), kernel.view(np.uint32))
+    differ = np.count_nonzero(kernel != spec)
+    assert differ > 0  # the formulas do differ: following the kernel is a real choice
+    assert np.all(np.abs(kernel.view(np.int32) - spec.view(np.int32)) <= 1)  # by one ulp at most
+
+
+def test_hif8_reciprocal_format_max_is_the_fp32_division():
+    for fmax in (15.0, 224.0, 448.0, 7.0):
+        assert hif8.reciprocal_format_max(fmax) == float(np.float32(1.0) / np.float32(fmax))
 
 
 @pytest.mark.parametrize("fmax", [HIF8_INPUT_MAX, HIF8_GRAD_MAX], ids=["input", "grad"])

@@ -244,17 +244,33 @@ def _fp32_sweep() -> torch.Tensor:
 @pytest.mark.parametrize("saturate", [False, True])
 def test_hif8_every_rounding_boundary_of_every_band_matches_eager(saturate):
     x = _fp32_sweep()
-    finite_max = x[torch.isfinite(x)].abs().max()
-    # format_max = the amax itself makes the scale exactly 1.0: the codes are hif8.encode(x)
+    # amax = format_max = 2**126 makes the scale amax * (1.0f / format_max) exactly 1.0 (a power
+    # of two has an exact reciprocal): the codes are hif8.encode(x). |x| >= 2**126 (far past
+    # HiF8's overflow at 40960, which the sweep covers from there up) are dropped for that.
     x = x[~x.isnan()]  # a NaN amax would force scale 1.0 anyway; keep the amax finite ...
-    x = x[torch.isfinite(x)]
-    codes, scale, amax = native_cpu.hif8_current_quantize(x, float(finite_max), saturate=saturate)
+    x = x[x.abs() < 2.0**126]
+    x = torch.cat([x, torch.tensor([2.0**126])])
+    codes, scale, amax = native_cpu.hif8_current_quantize(x, 2.0**126, saturate=saturate)
     assert scale.item() == 1.0
     assert_same((codes,), (hif8.encode(x, saturate),))
     # ... and Inf / NaN elements, with scale 1.0 (amax not finite), in a second call
     special = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan"), 0.0, -0.0, 1.0])
     assert_same_hif8(native_cpu.hif8_current_quantize(special, 15.0, saturate=saturate),
                      _eager_hif8(special, 15.0, saturate=saturate))
+
+
+@pytest.mark.parametrize("format_max", [15.0, 224.0])
+def test_hif8_native_scale_is_amax_times_fp32_reciprocal(format_max, gen):
+    """The native kernel's scale is ``amax * (1.0f / format_max)`` (ops-nn dynamic_quant arch35
+    pertensor kernel), checked against numpy FP32 on amax values where that differs from the
+    spec's ``amax / format_max`` (most of them)."""
+    amaxes = (torch.rand(64, generator=gen) * 100 + 1).numpy().astype(np.float32)
+    kernel = amaxes * (np.float32(1.0) / np.float32(format_max))
+    assert np.count_nonzero(kernel != amaxes / np.float32(format_max)) > 0
+    x = torch.from_numpy(amaxes).view(64, 1, 1) * torch.ones(64, 2, 32)
+    x[:, 1] *= -0.5
+    _, scale, _ = native_cpu.hif8_current_quantize(x, format_max, per_group=True)
+    assert np.array_equal(scale.numpy().view(np.uint32), kernel.view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])

@@ -30,7 +30,7 @@ def _quantizer(fmt):
 
 def _ref_value(op, group_sizes=None):
     """Independent reference decode: numerics dequantize (MXFP8) / HiF8 codes only (the
-    contract applies HiF8 scales to the FP32 product: (P * left.scale) * right.scale)."""
+    contract applies HiF8 scales to the FP32 product, the kernels' order: (P * right.scale) * left.scale)."""
     if op.format == Format.HIF8:
         return hif8.decode(op.data)
     if op.group_sizes is not None:
@@ -60,7 +60,7 @@ def test_dense_matmul_versus_reference(gen, fmt, layout, out_dtype):
         left, right = q.quantize(_rand(gen, M, N), orientation=lo), q.quantize(_rand(gen, M, K), orientation=ro)
         expected = _ref_value(left).t() @ _ref_value(right)
     if fmt == Format.HIF8:
-        expected = expected * left.scale * right.scale
+        expected = expected * right.scale * left.scale
     out = low_precision_matmul(left, right, layout=layout, output_dtype=out_dtype)
     assert out.dtype == out_dtype
     _assert_close(out, expected, out_dtype)
@@ -100,11 +100,11 @@ def _grouped_reference(left, right, group_list, layout):
     hifloat = left.format == Format.HIF8
     if layout == "TN":
         out = torch.stack([x.t() @ y for x, y in zip(torch.split(a, sizes), torch.split(b, sizes))])
-        return out * left.scale * right.scale if hifloat else out
+        return out * right.scale * left.scale if hifloat else out
     rows = []
     for g, chunk in enumerate(torch.split(a, sizes)):
         row = chunk @ (b[g].t() if layout == "NT" else b[g])
-        rows.append(row * left.scale * right.scale[g] if hifloat else row)
+        rows.append(row * right.scale[g] * left.scale if hifloat else row)
     return torch.cat(rows)
 
 

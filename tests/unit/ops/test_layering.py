@@ -1,0 +1,44 @@
+"""Layering is one-way: ``te_npu.ops`` (with ``QuantizedOperand``) imports only lower layers."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import te_npu
+
+OPS_DIR = Path(te_npu.__file__).parent / "ops"
+LOWER = ("te_npu.ops", "te_npu.formats", "te_npu.numerics", "te_npu.errors")
+
+
+def _te_npu_imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("te_npu"):
+            names.append(node.module if node.module != "te_npu" else f"te_npu.{node.names[0].name}")
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.startswith("te_npu")]
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(OPS_DIR.glob("*.py")), ids=lambda p: p.name)
+def test_ops_module_imports_only_lower_layers(path):
+    upward = [m for m in _te_npu_imports(path) if not m.startswith(LOWER)]
+    assert not upward, f"{path.name} imports {upward}: te_npu.ops must not depend on quantizers / tensor / functional"
+
+
+@pytest.mark.parametrize("module", ["te_npu.ops.checks", "te_npu.quantizers"])
+def test_module_imports_first_in_a_fresh_interpreter(module):
+    """No import-order dependence: each module imports on its own (the old quantizers ->
+    tensor.operand -> tensor/__init__ -> quantizers cycle failed for some orders)."""
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True, capture_output=True)
+
+
+def test_tensor_operand_alias_is_the_ops_class():
+    from te_npu.ops import QuantizedOperand
+    from te_npu.tensor import QuantizedOperand as alias
+
+    assert alias is QuantizedOperand
