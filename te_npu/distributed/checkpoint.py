@@ -8,7 +8,7 @@ Layout of ``dir`` (one sub-directory per step, written atomically)::
                               optim.<fqn>.exp_avg       FP32
                               optim.<fqn>.exp_avg_sq    FP32
                               optim.<fqn>.step          FP32 scalar
-    dir/step_{N}/te_npu.json  {"step": N, "world_size": W, "lineage": id, "saved": ISO time}
+    dir/step_{N}/te_npu.json  {"step": N, "world_size": W, "lineage": id, "parent": M or null, "saved": time}
     dir/step_{N}/extra_rank{r}.pt   the caller's ``extra`` of rank r (torch.save, weights_only-loadable)
     dir/step_{N}/manifest.json      every file above with its size and CRC-32, written last
     dir/latest              "step_{N}" of the newest complete save
@@ -28,10 +28,13 @@ Complete or nothing: ``load`` verifies the step against its manifest first (size
 CRC-32 with ``checksums``; ranks split the files), so a missing ``extra_rank{r}.pt``, a
 truncated or corrupted shard fails naming the file and the previous complete step.
 
-Lineage: each save records the run it belongs to (``lineage``, kept across resumes).
-``keep_last`` prunes only complete steps of the same lineage that are not newer than the step
-just written, and a save never replaces a step directory of another lineage: a folder shared
-with an older run keeps that run's checkpoints.
+Lineage and history: each save records the run it belongs to (``lineage``, kept across
+resumes) and its ``parent``, the step its run resumed from or saved before it. ``keep_last``
+walks that chain back from the step just written and deletes only complete steps on it beyond
+the newest ``keep_last``: never a step newer than the one just written, never a branch the run
+abandoned (steps past the one it resumed from), never another lineage's step. A save never
+replaces a step directory of another lineage either: a folder shared with an older run keeps
+that run's checkpoints.
 """
 from __future__ import annotations
 
@@ -93,13 +96,15 @@ def save(
     *,
     keep_last: int | None = None,
     lineage: str | None = None,
+    parent: int | None = None,
 ) -> str:
     """Save the high-precision view of ``model`` and ``optimizer`` at ``step``; returns the step path.
 
     extra: anything ``torch.save`` writes and ``torch.load(weights_only=True)`` reads back
     (a JSON-like dict, RNG state tensors); saved per rank. keep_last: keep only the newest
-    ``keep_last`` complete steps of this lineage up to ``step``. lineage: the run this save
-    belongs to (default: the lineage ``latest`` names, else a new one).
+    ``keep_last`` complete steps of this save's history (see the module doc). lineage: the run
+    this save belongs to, parent: the step before it in that run's history (defaults for both:
+    those of the step ``latest`` names, else a new lineage without parent).
     """
     directory = os.fspath(directory)
     rank, world = _rank(), _world()
@@ -107,7 +112,8 @@ def save(
     final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
-        lineage = lineage or _latest_lineage(directory) or new_lineage()
+        if lineage is None:
+            lineage, parent = _latest_position(directory)
         _refuse_foreign(final, lineage)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died
         os.makedirs(tmp)
@@ -116,7 +122,7 @@ def save(
     torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
     if rank == 0:
         _write_json(os.path.join(tmp, _META), {"step": int(step), "world_size": world, "lineage": lineage,
-                                               "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                                               "parent": parent, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     _barrier()
     mine = [n for n in os.listdir(tmp) if _writer_rank(n, world) == rank]
     entries = _gather_dicts(hash_files(tmp, mine))
@@ -129,7 +135,7 @@ def save(
         fsync_dir(directory)
         _write_latest(directory, name)
         if keep_last is not None:
-            _prune(directory, keep_last, lineage, int(step))
+            _prune(directory, keep_last, lineage, int(step))  # the history chain from step_{step}
     _barrier()
     return final
 
@@ -365,11 +371,13 @@ def _previous_hint(step_dir: str) -> str:
             f"resume from it with checkpoint.load_step={previous}")
 
 
-def _latest_lineage(directory: str) -> str | None:
+def _latest_position(directory: str) -> tuple[str, int | None]:
+    """``(lineage, step)`` of the step ``latest`` names, or a new lineage without parent."""
     try:
-        return step_info(latest_checkpoint(directory)).get("lineage")
+        info = step_info(latest_checkpoint(directory))
     except ConfigError:
-        return None
+        return new_lineage(), None
+    return info.get("lineage") or new_lineage(), int(info["step"])
 
 
 def _refuse_foreign(final: str, lineage: str) -> None:
@@ -402,24 +410,27 @@ def _write_latest(directory: str, name: str) -> None:
 
 
 def _prune(directory: str, keep_last: int, lineage: str, newest: int) -> None:
-    """Delete complete steps of ``lineage`` not newer than ``newest``, beyond the newest ``keep_last``.
+    """Delete the complete steps of ``newest``'s history chain (``parent`` links, same lineage)
+    beyond the newest ``keep_last``; nothing off the chain is touched.
 
     A pruned step is renamed ``step_K.pruning`` first (atomic), so an interrupted prune never
     leaves a half-deleted ``step_K``; leftover ``.pruning`` directories go on the next prune.
     """
-    ours = []
-    for step in list_steps(directory):
+    chain, step = [], newest
+    while step is not None and (not chain or step < chain[-1]):
         path = os.path.join(directory, f"step_{step}")
-        if step > newest or not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            continue
         try:
-            if step_info(path).get("lineage") == lineage:
-                ours.append(step)
+            info = step_info(path)
         except ConfigError:
-            continue
-    for step in sorted(ours, reverse=True)[keep_last:]:
+            break  # the chain ends where a step is gone (pruned earlier) or unreadable
+        if info.get("lineage") != lineage or int(info.get("step", -1)) != step:
+            break
+        chain.append(step)
+        step = info.get("parent")
+    for step in chain[keep_last:]:
         path = os.path.join(directory, f"step_{step}")
-        os.rename(path, path + ".pruning")
+        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            os.rename(path, path + ".pruning")
     for name in os.listdir(directory):
         if name.endswith(".pruning") and _STEP_DIR.fullmatch(name[: -len(".pruning")]):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)

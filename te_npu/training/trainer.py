@@ -115,6 +115,7 @@ class Trainer:
         self.skipped_iterations = 0
         self.grad_norm: float | None = None
         self.lineage: str | None = None  # the run the checkpoints belong to (kept across resumes)
+        self._parent_step: int | None = None  # the step this run resumed from or last saved (its history)
         self._owns_process_group = False
         self._lock: FolderLock | None = None
         self._resume_path: str | None = None
@@ -437,7 +438,9 @@ class Trainer:
             "rng": torch.get_rng_state(),
         }
         path = checkpoint.save(directory or self.cfg.checkpoint.dir, self.model, self.optimizer, self.global_step,
-                               extra, keep_last=self.cfg.checkpoint.keep_last or None, lineage=self.lineage)
+                               extra, keep_last=self.cfg.checkpoint.keep_last or None, lineage=self.lineage,
+                               parent=self._parent_step)
+        self._parent_step = self.global_step
         self._print_rank0(f" saved checkpoint at iteration {self.global_step} to {path}")
         return path
 
@@ -449,6 +452,7 @@ class Trainer:
                                       checksums=self.cfg.checkpoint.verify_checksums)
         self.global_step = int(step)
         self.lineage = checkpoint.step_info(path).get("lineage") or self.lineage
+        self._parent_step = self.global_step
         self.batcher.load_state_dict(extra["data"])
         self.skipped_iterations = int(extra["skipped_iterations"])
         torch.set_rng_state(extra["rng"])
