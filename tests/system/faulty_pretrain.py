@@ -6,8 +6,8 @@
 
 - ``raise:R:S``: rank R raises ``ValueError`` inside optimizer step S (the others are then
   waiting for it in a collective);
-- ``slow_save:T``: every rank sleeps T seconds between writing its DCP shards and the
-  manifest (a window in which to signal a save);
+- ``slow_save:T:N``: every rank sleeps T seconds in the save of step N, between writing its
+  DCP shards and the manifest (a window in which to signal a save);
 - ``step_marker:PATH``: each rank appends ``<rank> <step> <pid>`` to PATH after each step
   (so a test knows training is under way, and which process is which rank, before it signals);
 - ``save_marker:PATH``: each rank creates PATH when a save has written its shards (with
@@ -46,13 +46,14 @@ def _install(fault: str) -> None:
 
         Trainer.optimizer_step = failing_step
     elif kind == "slow_save":
-        seconds = float(arg)
+        seconds, step = float(arg.split(":")[0]), int(arg.split(":")[1])
         original_hash = checkpoint.hash_files
 
         def slow_hash(directory, names):
-            if _marker:
-                open(_marker[0], "a").close()
-            time.sleep(seconds)
+            if os.path.basename(directory) == f"step_{step}.tmp":
+                if _marker:
+                    open(_marker[0], "a").close()
+                time.sleep(seconds)
             return original_hash(directory, names)
 
         checkpoint.hash_files = slow_hash
