@@ -349,9 +349,12 @@ def build_datasets(data_cfg: Any) -> tuple[TokenDataset, TokenDataset]:
     """
     if data_cfg.kind == "stdlib":
         prefix = Path(data_cfg.cache_dir) / f"stdlib_py{sys.version_info.major}{sys.version_info.minor}"
-        train, val = build_stdlib_corpus(
-            prefix, data_cfg.val_fraction, max_bytes=data_cfg.max_bytes, include_tests=data_cfg.include_tests
-        )
+        try:
+            train, val = build_stdlib_corpus(
+                prefix, data_cfg.val_fraction, max_bytes=data_cfg.max_bytes, include_tests=data_cfg.include_tests
+            )
+        except OSError as exc:
+            raise ConfigError(f"data.cache_dir: cannot build the stdlib corpus in {data_cfg.cache_dir!r}: {exc}") from None
         return TokenDataset(train), TokenDataset(val)
     dataset = _open_split(data_cfg.path, "data.path")
     if data_cfg.val_path is not None:

@@ -267,6 +267,7 @@ class _SignalGuard:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self.watchdog.stop()
+        self.watchdog.join(timeout=2.0)
         self._installed = False
 
     def _handle(self, signum: int, frame) -> None:
@@ -303,6 +304,10 @@ class _Watchdog(threading.Thread):
 
     def stop(self) -> None:
         self._stopped.set()
+        try:
+            self._write.send(b"\0")  # wake the select (0 is no signal)
+        except OSError:
+            pass
 
     def run(self) -> None:
         while not self._stopped.is_set():
@@ -319,6 +324,8 @@ class _Watchdog(threading.Thread):
             if self._deadline is not None and time.monotonic() > self._deadline[0]:
                 _, code, why = self._deadline
                 self._exit(code, why)
+        self._read.close()
+        self._write.close()
 
     def _on_signal(self, signum: int) -> None:
         if signum not in (signal.SIGINT, signal.SIGTERM) or self._stopped.is_set():
