@@ -52,6 +52,7 @@ __all__ = [
     "StopRequest",
     "exit_code_for",
     "launch_env",
+    "root_cause",
     "run_job",
 ]
 
@@ -92,11 +93,18 @@ def launch_env() -> LaunchEnv:
 
 
 class JobInterrupted(BaseException):
-    """SIGINT / SIGTERM arrived (a ``BaseException``, like ``KeyboardInterrupt``)."""
+    """SIGINT / SIGTERM arrived (a ``BaseException``, like ``KeyboardInterrupt``).
 
-    def __init__(self, signum: int, note: str = "") -> None:
-        self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name}{note}")
+    ``args`` is ``(signum,)`` so the exception pickles: DCP gathers a rank's exception to its
+    coordinator and re-raises it wrapped in a ``CheckpointException`` on every rank.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(int(signum))
+        self.signum = int(signum)
+
+    def __str__(self) -> str:
+        return f"interrupted by {signal.Signals(self.signum).name}"
 
 
 class StopRequest:
@@ -112,8 +120,20 @@ class StopRequest:
         self.signum: int | None = None
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """``exc``, or the interruption / config error a DCP ``CheckpointException`` carries from a rank."""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, (JobInterrupted, KeyboardInterrupt, ConfigError, TrainingDiverged)):
+                return inner
+    return exc
+
+
 def exit_code_for(exc: BaseException) -> int:
     """The exit code of a rank that ended with ``exc`` (see the module doc)."""
+    exc = root_cause(exc)
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG
     if isinstance(exc, TrainingDiverged):
@@ -139,6 +159,7 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
         body(stop)
     except BaseException as exc:  # noqa: BLE001 - every way out of a rank goes through here
         guard.failing = True
+        exc = root_cause(exc)
         code = exit_code_for(exc)
         guard.watchdog.arm(ERROR_PATH_DEADLINE_S, code, "the error path did not finish")
         multi_rank = dist.is_initialized() and dist.get_world_size() > 1

@@ -73,3 +73,19 @@ def test_job_graceful_sigterm_reaches_the_step_loop():
 
 def test_job_success_is_0():
     assert run_job(lambda stop: None) == EXIT_OK
+
+
+def test_job_interruption_inside_dcp_keeps_its_exit_code(capsys):
+    # DCP gathers a rank's exception (pickled) and re-raises it as a CheckpointException on every rank
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.utils import _wrap_exception
+
+    from te_npu.training.job import JobInterrupted
+
+    interrupted = pickle.loads(pickle.dumps(JobInterrupted(signal.SIGINT)))
+    assert interrupted.signum == signal.SIGINT and str(interrupted) == "interrupted by SIGINT"
+    wrapped = CheckpointException("write", {1: _wrap_exception(interrupted)})
+    assert run_job(_raise(wrapped)) == 128 + signal.SIGINT
+    assert "interrupted by SIGINT; stopped without saving" in capsys.readouterr().err
