@@ -91,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(stop: StopRequest) -> None:
         cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before any model
-        line = choose_quant_kernel(cfg)
-        if launch_env().rank == 0:
-            print(f"pretrain: {line}", flush=True)
         trainer = Trainer(DeepseekV3Task(), stop=stop)
         try:
             trainer.setup(cfg)
+            # after setup: a bad input fails in seconds, not after a first native build (~1 min);
+            # the kernels are bit-identical, so setup's eager weight quantization is the same
+            line = choose_quant_kernel(cfg)
+            if launch_env().rank == 0:
+                print(f"pretrain: {line}", flush=True)
             trainer.train()
         except BaseException:
             trainer.abandon()  # no barrier on the error path: run_job reports and exits
