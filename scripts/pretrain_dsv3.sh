@@ -6,6 +6,10 @@
 #   RECIPE=recipes/dsv3_16b_mxfp8.yaml NPROC=8 bash scripts/pretrain_dsv3.sh   # 8x Ascend A5 (hccl)
 #
 # Extra arguments are config overrides, e.g. `training.train_steps=50 logging.dir=runs/try`.
+# The recipe is read and validated by te_npu only (models/deepseek_v3/pretrain.py), which also
+# picks the quantization kernel (native C++ kernels for CPU recipes when they build; printed).
+# Exit code: the first failing rank's (0 done, 1 error, 2 configuration error, 3 diverged,
+# 128 + signal when interrupted), with a one-line summary instead of torchrun's traceback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,25 +28,12 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29517}"
 
-# CPU recipes: quantize and decode with the native C++ kernels (bit-identical to eager, ~1.6x
-# the tiny job's throughput) when they build here (C++ compiler + ninja; ~1 min once, then
-# cached); otherwise say so and run eager. An explicit TE_NPU_QUANT_KERNEL always wins.
-DEVICE="$(python3 -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["training"]["device"])' "$RECIPE")"
-if [ -z "${TE_NPU_QUANT_KERNEL:-}" ] && [ "$DEVICE" = "cpu" ]; then
-  if WHY="$(python3 -c 'from te_npu.numerics import native_cpu as n; ok, why = n.is_available(True); print(why or ""); raise SystemExit(0 if ok else 1)' 2>&1)"; then
-    export TE_NPU_QUANT_KERNEL=native
-  else
-    echo "pretrain_dsv3.sh: native CPU kernels unavailable (${WHY##*$'\n'}); quantizing with eager torch (same bits, slower)"
-  fi
-fi
-echo "pretrain_dsv3.sh: TE_NPU_QUANT_KERNEL=${TE_NPU_QUANT_KERNEL:-eager}"
-
 if [ "$NNODES" = "1" ] && [ "$MASTER_ADDR" = "127.0.0.1" ]; then
   # One CPU thread per rank keeps 2 ranks from fighting over a small machine's cores.
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 fi
 
-exec python3 -m torch.distributed.run \
+exec python3 -m te_npu.training.launch \
   --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   -m models.deepseek_v3.pretrain --config "$RECIPE" "$@"

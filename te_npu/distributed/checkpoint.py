@@ -2,30 +2,48 @@
 
 Layout of ``dir`` (one sub-directory per step, written atomically)::
 
-    dir/step_{N}/           DCP files (.metadata + shards) of
+    dir/step_{N}/           DCP files (.metadata + __{rank}_{i}.distcp shards) of
                               model.<fqn>               BF16 logical weights (param dtype), persistent buffers
                               optim.<fqn>.master        FP32 master shard
                               optim.<fqn>.exp_avg       FP32
                               optim.<fqn>.exp_avg_sq    FP32
                               optim.<fqn>.step          FP32 scalar
-    dir/step_{N}/te_npu.json  {"step": N, "world_size": W}
+    dir/step_{N}/te_npu.json  {"step": N, "world_size": W, "lineage": id, "parent": M or null, "saved": time}
     dir/step_{N}/extra_rank{r}.pt   the caller's ``extra`` of rank r (torch.save, weights_only-loadable)
+    dir/step_{N}/manifest.json      every file above with its size and CRC-32, written last
     dir/latest              "step_{N}" of the newest complete save
+    dir/te_npu.lock         held by the job writing here (``checkpoint_lock``; the Trainer takes it)
 
 Quantized parameters are saved as ``master.to(param.dtype)`` -- plain DTensors/tensors, never
 the 8-bit wrapper (DCP would pickle it, and weights_only loading refuses it); no 8-bit data
 or scale is saved: both are rebuilt from the masters on load. Keys are the model's own
 parameter names, so DCP reshards on load (saved with 2 ranks, loadable with 1).
 
-Atomicity: every rank writes into ``step_{N}.tmp``; after a barrier rank 0 renames it to
-``step_{N}``, then moves ``latest`` (write a temp file + ``os.replace``) and prunes old steps.
-A save that dies midway leaves a ``.tmp`` directory and the previous ``latest`` untouched.
+Atomicity: every rank writes into ``step_{N}.tmp``; after a barrier each rank hashes the files
+it wrote, rank 0 writes the manifest (last), renames ``step_{N}.tmp`` to ``step_{N}``, then moves
+``latest`` (temp file + fsync + ``os.replace``) and prunes. A save that dies (or is interrupted)
+at any point leaves the previous ``latest`` and the step it names untouched.
+
+Complete or nothing: ``load`` verifies the step against its manifest first (sizes always,
+CRC-32 with ``checksums``; ranks split the files), so a missing ``extra_rank{r}.pt``, a
+truncated or corrupted shard fails naming the file and the previous complete step.
+
+Lineage and history: each save records the run it belongs to (``lineage``, kept across
+resumes) and its ``parent``, the step its run resumed from or saved before it. ``keep_last``
+walks that chain back from the step just written and deletes only complete steps on it beyond
+the newest ``keep_last``: never a step newer than the one just written, never a branch the run
+abandoned (steps past the one it resumed from), never another lineage's step. A save never
+replaces a step directory of another lineage either: a folder shared with an older run keeps
+that run's checkpoints.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
+import uuid
 from typing import Any
 
 import torch
@@ -34,13 +52,40 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from te_npu.errors import ConfigError
+from te_npu.distributed.checkpoint_manifest import (
+    MANIFEST_NAME,
+    ManifestError,
+    fsync_dir,
+    hash_files,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 from te_npu.distributed.optim import MasterWeightOptimizer, refresh_low_precision_weights
 from te_npu.tensor import QuantizedWeightTensor
 
-__all__ = ["save", "load", "latest_checkpoint", "persistent_buffers"]
+__all__ = [
+    "save",
+    "load",
+    "latest_checkpoint",
+    "list_steps",
+    "step_info",
+    "verify_step",
+    "previous_complete_step",
+    "new_lineage",
+    "persistent_buffers",
+]
 
 _LATEST = "latest"
 _META = "te_npu.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+_DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+_EXTRA = re.compile(r"extra_rank(\d+)\.pt")
+
+
+def new_lineage() -> str:
+    """A fresh lineage id for a run that starts from scratch."""
+    return uuid.uuid4().hex[:16]
 
 
 def save(
@@ -51,48 +96,76 @@ def save(
     extra: Any = None,
     *,
     keep_last: int | None = None,
+    lineage: str | None = None,
+    parent: int | None = None,
 ) -> str:
     """Save the high-precision view of ``model`` and ``optimizer`` at ``step``; returns the step path.
 
     extra: anything ``torch.save`` writes and ``torch.load(weights_only=True)`` reads back
     (a JSON-like dict, RNG state tensors); saved per rank. keep_last: keep only the newest
-    ``keep_last`` complete steps.
+    ``keep_last`` complete steps of this save's history (see the module doc). lineage: the run
+    this save belongs to, parent: the step before it in that run's history (defaults for both:
+    those of the step ``latest`` names, else a new lineage without parent).
     """
     directory = os.fspath(directory)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, world = _rank(), _world()
     name = f"step_{int(step)}"
     final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
+        if lineage is None:
+            lineage, parent = _latest_position(directory)
+        _refuse_foreign(final, lineage)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died
         os.makedirs(tmp)
     _barrier()
     dcp.save(_state_dict(model, optimizer, for_save=True), checkpoint_id=tmp)
     torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
-    _barrier()
     if rank == 0:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        with open(os.path.join(tmp, _META), "w") as f:
-            json.dump({"step": int(step), "world_size": world}, f)
-        shutil.rmtree(final, ignore_errors=True)
+        _write_json(os.path.join(tmp, _META), {"step": int(step), "world_size": world, "lineage": lineage,
+                                               "parent": parent, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    _barrier()
+    mine = [n for n in os.listdir(tmp) if _writer_rank(n, world) == rank]
+    entries = _gather_dicts(hash_files(tmp, mine))
+    if rank == 0:
+        missing = sorted(set(os.listdir(tmp)) - set(entries))
+        if missing:
+            raise RuntimeError(f"checkpoint.save: {tmp}: files {missing} appeared while hashing")
+        write_manifest(tmp, step, entries)  # last file of the step: its presence means complete
         os.rename(tmp, final)
+        fsync_dir(directory)
         _write_latest(directory, name)
         if keep_last is not None:
-            _prune(directory, keep_last)
+            _prune(directory, keep_last, lineage, int(step))  # the history chain from step_{step}
     _barrier()
     return final
 
 
 def load(
-    directory: str | os.PathLike, model: nn.Module, optimizer: MasterWeightOptimizer | None
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: MasterWeightOptimizer | None,
+    *,
+    verify: bool = True,
+    checksums: bool = True,
 ) -> tuple[int, Any]:
     """Restore ``latest`` (or ``directory`` itself if it is a step dir); returns ``(step, extra)``.
 
     With an optimizer: masters, moments and step are restored and every 8-bit shard is rebuilt
     from its master (high-precision params copied from theirs). Without: the BF16 weights are
-    loaded and the 8-bit shards quantized from them.
+    loaded and the 8-bit shards quantized from them. ``verify``: check the step against its
+    manifest first (``verify_step``; collective when distributed). ``extra`` is this rank's
+    (rank 0's when the world size changed since the save).
     """
     path = latest_checkpoint(directory)
+    if verify:
+        verify_step(path, checksums=checksums)
+    info = step_info(path)
+    rank = _rank()
+    extra_path = os.path.join(path, f"extra_rank{rank if info.get('world_size') == _world() else 0}.pt")
+    if not os.path.isfile(extra_path):
+        raise ConfigError(f"checkpoint {path}: {os.path.basename(extra_path)} is missing: the data position, "
+                          "skipped count and RNG state of the run are in it; refusing a partial resume")
     state = _state_dict(model, optimizer, for_save=False)
     buffers = _saved_buffers(model, path)
     if optimizer is not None:  # the masters are authoritative: weights are rebuilt from them
@@ -105,32 +178,93 @@ def load(
         optimizer.rebuild_weights_from_masters()
     else:
         _weights_from_model_view(model, state["model"])
-    with open(os.path.join(path, _META)) as f:
-        step = json.load(f)["step"]
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    extra_path = os.path.join(path, f"extra_rank{rank}.pt")
-    if not os.path.exists(extra_path):
-        extra_path = os.path.join(path, "extra_rank0.pt")
-    extra = torch.load(extra_path, weights_only=True) if os.path.exists(extra_path) else None
-    return step, extra
+    extra = torch.load(extra_path, weights_only=True)
+    return int(info["step"]), extra
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> str:
-    """The complete DCP step directory ``directory`` refers to; ``ConfigError`` if there is none."""
+    """The DCP step directory ``directory`` refers to (``latest``'s step, or ``directory`` itself
+    if it is a step directory); ``ConfigError`` naming what is wrong otherwise."""
     directory = os.fspath(directory)
     if os.path.isfile(directory):
         raise ConfigError(f"checkpoint {directory!r} is a file; only DCP checkpoint directories are supported")
+    if _is_step_dir(directory):
+        return directory
     marker = os.path.join(directory, _LATEST)
-    path = directory
     if os.path.isfile(marker):
         with open(marker) as f:
-            path = os.path.join(directory, f.read().strip())
-    if not os.path.isfile(os.path.join(path, ".metadata")) or not os.path.isfile(os.path.join(path, _META)):
-        raise ConfigError(
-            f"checkpoint {directory!r} is not a te_npu DCP checkpoint (no 'latest' marker and no DCP "
-            f".metadata in {path!r}); only DCP checkpoints written by te_npu.distributed.checkpoint.save load"
-        )
-    return path
+            name = f.read().strip()
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            raise ConfigError(f"{marker} names {name!r}, but {path} does not exist (deleted or never written); "
+                              f"{_steps_hint(directory)}")
+        if not _is_step_dir(path):
+            raise ConfigError(f"{marker} names {name!r}, but {path} is not a te_npu DCP checkpoint step "
+                              f"(no {_META} / .metadata in it); {_steps_hint(directory)}")
+        return path
+    steps = list_steps(directory)
+    if steps:
+        raise ConfigError(f"{directory!r} holds {_names(steps)} but no 'latest' marker (deleted?): name the step "
+                          f"to load (checkpoint.load_step={steps[-1]} for the newest)")
+    raise ConfigError(f"{directory!r} is not a te_npu DCP checkpoint (no 'latest' marker, no step_N directory); "
+                      "only DCP checkpoints written by te_npu.distributed.checkpoint.save load")
+
+
+def list_steps(directory: str | os.PathLike) -> list[int]:
+    """Step numbers of the ``step_N`` directories in ``directory`` (complete or not), ascending."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.fullmatch(n))
+                  and os.path.isdir(os.path.join(directory, n)))
+
+
+def step_info(step_dir: str | os.PathLike) -> dict:
+    """``te_npu.json`` of a step directory: ``step``, ``world_size``, ``lineage`` (None if older), ``saved``."""
+    path = os.path.join(step_dir, _META)
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"checkpoint {os.fspath(step_dir)}: cannot read {_META}: {exc}") from None
+    info.setdefault("lineage", None)
+    return info
+
+
+def verify_step(step_dir: str | os.PathLike, *, checksums: bool = True) -> None:
+    """Check every file of ``step_dir`` against its manifest (sizes; CRC-32 with ``checksums``).
+
+    Collective when a process group exists: rank r checks manifest entries r, r + W, ...
+    and every rank raises the same ``ConfigError``, naming the bad file(s) and the previous
+    step of the folder whose manifest and sizes check out.
+    """
+    step_dir = os.fspath(step_dir)
+    try:
+        files = read_manifest(step_dir)
+    except ManifestError as exc:
+        problems = [str(exc)]
+    else:
+        names = sorted(files)
+        problems = verify_files(step_dir, files, names[_rank()::_world()], checksums=checksums)
+        problems = sorted(p for rank_problems in _gather_lists(problems) for p in rank_problems)
+    if problems:
+        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
+        raise ConfigError(f"checkpoint {step_dir} is incomplete or corrupt: {problems[0]}{more}; "
+                          f"{_previous_hint(step_dir)}")
+
+
+def previous_complete_step(directory: str | os.PathLike, before: int) -> int | None:
+    """The newest step below ``before`` whose manifest reads and whose files have their sizes."""
+    for step in reversed([s for s in list_steps(directory) if s < before]):
+        path = os.path.join(directory, f"step_{step}")
+        try:
+            files = read_manifest(path)
+        except ManifestError:
+            continue
+        if not verify_files(path, files, files, checksums=False):
+            return step
+    return None
 
 
 # ---- state dicts -------------------------------------------------------------------------------
@@ -198,9 +332,93 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 # ---- files -------------------------------------------------------------------------------------
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _gather_lists(items: list) -> list[list]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [items]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return out
+
+
+def _gather_dicts(entries: dict) -> dict:
+    merged: dict = {}
+    for part in _gather_lists([entries]):
+        merged.update(part[0])
+    return merged
+
+
+def _writer_rank(name: str, world: int) -> int:
+    """The rank that wrote ``name`` (so it hashes it from its own page cache); rank 0 for the rest."""
+    m = _DCP_SHARD.fullmatch(name) or _EXTRA.fullmatch(name)
+    rank = int(m.group(1)) if m else 0
+    return rank if rank < world else 0
+
+
+def _is_step_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, _META)) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _names(steps: list[int]) -> str:
+    shown = ", ".join(f"step_{s}" for s in steps[-4:])
+    return ("..., " if len(steps) > 4 else "") + shown
+
+
+def _steps_hint(directory: str) -> str:
+    steps = list_steps(directory)
+    if not steps:
+        return "the folder holds no step_N directory"
+    return f"the folder holds {_names(steps)}: name one with checkpoint.load_step=N"
+
+
+def _previous_hint(step_dir: str) -> str:
+    parent, name = os.path.split(os.path.normpath(step_dir))
+    m = _STEP_DIR.fullmatch(name)
+    previous = previous_complete_step(parent, int(m.group(1))) if m else None
+    if previous is None:
+        return "no earlier complete step in the folder"
+    return (f"the previous complete step is step_{previous} in {parent} (manifest and sizes check out): "
+            f"resume from it with checkpoint.load_step={previous}")
+
+
+def _latest_position(directory: str) -> tuple[str, int | None]:
+    """``(lineage, step)`` of the step ``latest`` names, or a new lineage without parent."""
+    try:
+        info = step_info(latest_checkpoint(directory))
+    except ConfigError:
+        return new_lineage(), None
+    return info.get("lineage") or new_lineage(), int(info["step"])
+
+
+def _refuse_foreign(final: str, lineage: str) -> None:
+    if not os.path.exists(final):
+        return
+    try:
+        theirs = step_info(final).get("lineage")
+    except ConfigError:
+        theirs = "unknown (no readable te_npu.json)"
+    if theirs != lineage:
+        raise RuntimeError(f"checkpoint.save: {final} exists and belongs to another run (lineage {theirs}, this "
+                           f"run {lineage}); refusing to replace it")
+
+
+def _write_json(path: str, record: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_latest(directory: str, name: str) -> None:
@@ -210,13 +428,31 @@ def _write_latest(directory: str, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(directory, _LATEST))
+    fsync_dir(directory)
 
 
-def _prune(directory: str, keep_last: int) -> None:
-    steps = sorted(
-        (int(n[len("step_") :]), n)
-        for n in os.listdir(directory)
-        if n.startswith("step_") and n[len("step_") :].isdigit()
-    )
-    for _, name in steps[: max(len(steps) - keep_last, 0)]:
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+def _prune(directory: str, keep_last: int, lineage: str, newest: int) -> None:
+    """Delete the complete steps of ``newest``'s history chain (``parent`` links, same lineage)
+    beyond the newest ``keep_last``; nothing off the chain is touched.
+
+    A pruned step is renamed ``step_K.pruning`` first (atomic), so an interrupted prune never
+    leaves a half-deleted ``step_K``; leftover ``.pruning`` directories go on the next prune.
+    """
+    chain, step = [], newest
+    while step is not None and (not chain or step < chain[-1]):
+        path = os.path.join(directory, f"step_{step}")
+        try:
+            info = step_info(path)
+        except ConfigError:
+            break  # the chain ends where a step is gone (pruned earlier) or unreadable
+        if info.get("lineage") != lineage or int(info.get("step", -1)) != step:
+            break
+        chain.append(step)
+        step = info.get("parent")
+    for step in chain[keep_last:]:
+        path = os.path.join(directory, f"step_{step}")
+        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            os.rename(path, path + ".pruning")
+    for name in os.listdir(directory):
+        if name.endswith(".pruning") and _STEP_DIR.fullmatch(name[: -len(".pruning")]):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)

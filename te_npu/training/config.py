@@ -143,7 +143,14 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     """Optimisation and run settings. ``clip_grad`` is the max global grad norm (0 disables);
-    ``eval_interval`` 0 disables evaluation; ``backend: auto`` picks gloo/nccl/hccl by device."""
+    ``eval_interval`` 0 disables evaluation; ``backend: auto`` picks gloo/nccl/hccl by device.
+
+    Stopping a dead run (``te_npu.training.divergence``): ``max_consecutive_skipped_steps``
+    optimizer steps in a row skipped for non-finite gradients stop it (0: never);
+    ``stop_on_nonfinite_loss`` stops it at the first non-finite training loss;
+    ``loss_spike_factor`` stops it when a loss exceeds that factor times the median of the
+    previous 20 (0: off). A stopped run saves nothing and exits non-zero.
+    """
 
     seed: int = _f(1234, ge=0)
     micro_batch_size: int = _f(1, ge=1)
@@ -165,6 +172,9 @@ class TrainingConfig:
     device: Literal["cpu", "cuda", "npu"] = "cpu"
     backend: Literal["gloo", "nccl", "hccl", "auto"] = "auto"
     param_dtype: Literal["bf16", "fp32"] = "bf16"
+    max_consecutive_skipped_steps: int = _f(10, ge=0)
+    stop_on_nonfinite_loss: bool = True
+    loss_spike_factor: float = _f(10.0, ge=0.0)
 
     @property
     def resolved_backend(self) -> str:
@@ -185,8 +195,15 @@ class ActivationCheckpointConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """DCP checkpoints. ``interval`` 0 disables saving; ``keep_last`` 0 keeps every one;
-    ``resume``: false, true (a checkpoint must exist) or ``auto`` (resume if one exists).
+    """DCP checkpoints. ``interval`` 0 disables saving; ``keep_last`` 0 keeps every one (pruning
+    only ever deletes older steps of this run); ``resume``: false, true (a checkpoint must exist)
+    or ``auto`` (resume if one exists; a folder with steps but no ``latest`` is an error).
+
+    ``load_step``: resume from ``step_{N}`` instead of ``latest`` (e.g. the previous complete
+    step when ``latest`` is damaged). ``verify_checksums``: check every file's CRC-32 against the
+    step's manifest before loading (sizes are always checked). ``save_on_sigterm``: on SIGTERM,
+    finish the current step, save, then exit (default false, as Megatron's
+    ``--exit-signal-handler``: under torchrun the save must fit in its 30 s shutdown grace).
 
     Hugging Face in and out: ``initial_load_path`` (an HF safetensors directory, format
     ``initial_load_format: hf``) starts a run that does not resume from it: its weights become
@@ -200,6 +217,9 @@ class CheckpointConfig:
     resume: bool | Literal["auto"] = False
     format: Literal["dcp"] = _f("dcp", reason=f"only high-precision DCP checkpoints are supported, {_SPEC_15}")
     keep_last: int = _f(0, ge=0)
+    load_step: int | None = _f(None, ge=0)
+    verify_checksums: bool = True
+    save_on_sigterm: bool = False
     initial_load_path: str | None = None
     initial_load_format: Literal["hf"] = _f("hf", reason="a run starts from a Hugging Face safetensors directory")
     last_save_format: Literal["dcp", "hf"] = "dcp"
@@ -295,7 +315,15 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any], overrides: list[st
         path = Path(path_or_dict)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        raw = yaml_load(path.read_text())
+        try:
+            raw = yaml_load(path.read_text())
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML{at}: {problem}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
         if raw is None:
             raw = {}
     if not isinstance(raw, dict):
@@ -567,9 +595,20 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
         for key in ("path", "val_path"):
             if getattr(d, key) is not None:
                 raise ConfigError(f"data.{key}: only used with data.kind 'bin' (data.kind is 'stdlib')")
+    if 0 < t.loss_spike_factor <= 1:
+        raise ConfigError(f"training.loss_spike_factor: {t.loss_spike_factor} must be 0 (off) or > 1")
+    block = getattr(cfg.low_precision.recipe, "block_size", None)
+    if block and (t.micro_batch_size * t.seq_len) % block:
+        raise ConfigError(
+            f"training.micro_batch_size x training.seq_len: {t.micro_batch_size} x {t.seq_len} = "
+            f"{t.micro_batch_size * t.seq_len} tokens per micro batch is not a multiple of {block}: "
+            f"{cfg.low_precision.format} blocks the wgrad GEMMs along the token dim"
+        )
     c = cfg.checkpoint
-    if (c.interval > 0 or c.resume is not False) and not c.dir:
-        raise ConfigError("checkpoint.dir: must be set when checkpoint.interval > 0 or checkpoint.resume is on")
+    if not c.dir:
+        raise ConfigError("checkpoint.dir: must not be empty (the final checkpoint is always saved)")
+    if c.load_step is not None and c.resume is False:
+        raise ConfigError(f"checkpoint.load_step: {c.load_step} needs checkpoint.resume true or auto")
     name = cfg.logging.metrics_jsonl
     if not name or "/" in name or "\\" in name:
         raise ConfigError(f"logging.metrics_jsonl: {name!r} must be a plain file name (it lives in logging.dir)")

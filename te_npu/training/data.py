@@ -48,6 +48,8 @@ __all__ = [
     "build_stdlib_corpus",
     "validation_batches",
     "build_datasets",
+    "check_token_ids",
+    "SCAN_LIMIT_BYTES",
     "BYTE_VOCAB_SIZE",
     "BYTE_EOS_ID",
 ]
@@ -82,8 +84,11 @@ class TokenDataset:
     returns a view on tokens ``[a, b)`` (used to hold out the tail of a single file).
     """
 
-    def __init__(self, prefix: str | os.PathLike, *, _tokens: np.ndarray | None = None, _meta: dict | None = None):
+    def __init__(
+        self, prefix: str | os.PathLike, *, _tokens: np.ndarray | None = None, _meta: dict | None = None, _start: int = 0
+    ):
         self.prefix = Path(prefix)
+        self.start = _start  # offset of token 0 in <prefix>.bin (non-zero for a slice)
         if _tokens is not None and _meta is not None:
             self.meta, self.tokens = _meta, _tokens
             return
@@ -117,17 +122,50 @@ class TokenDataset:
 
     def slice(self, start: int, stop: int) -> TokenDataset:
         """A view on tokens ``[start, stop)`` sharing the memmap."""
-        return TokenDataset(self.prefix, _tokens=self.tokens[start:stop], _meta=self.meta)
+        return TokenDataset(self.prefix, _tokens=self.tokens[start:stop], _meta=self.meta, _start=self.start + start)
 
     def num_samples(self, seq_len: int) -> int:
         """Number of full ``seq_len + 1`` windows at stride ``seq_len``."""
         return max(0, (len(self) - 1) // seq_len)
 
-    def windows(self, indices: Iterable[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples ``indices`` -> ``(input_ids [B, S], labels [B, S])`` int64 (labels shifted)."""
+    def windows(
+        self, indices: Iterable[int], seq_len: int, *, vocab_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``indices`` -> ``(input_ids [B, S], labels [B, S])`` int64 (labels shifted).
+
+        ``vocab_size``: raise ``ValueError`` naming the file and token offset if a sampled id
+        is ``>= vocab_size`` (a cheap max over the batch; the embedding would index out of range).
+        """
+        indices = list(indices)
         rows = [np.asarray(self.tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in indices]
-        window_BS1 = torch.from_numpy(np.stack(rows))
+        window_BS1 = np.stack(rows)
+        if vocab_size is not None and window_BS1.size and int(window_BS1.max()) >= vocab_size:
+            b, s = np.unravel_index(int(np.argmax(window_BS1 >= vocab_size)), window_BS1.shape)
+            raise ValueError(
+                f"{self.describe()}: token id {int(window_BS1[b, s])} at token offset "
+                f"{self.start + indices[b] * seq_len + s} "
+                f"(sample {indices[b]}) is >= the model's vocab_size {vocab_size}"
+            )
+        window_BS1 = torch.from_numpy(window_BS1)
         return window_BS1[:, :-1].contiguous(), window_BS1[:, 1:].contiguous()
+
+    def describe(self) -> str:
+        """``<prefix>.bin`` (plus the token range when this is a slice of it)."""
+        bin_path = split_paths(self.prefix)[0]
+        if self.start == 0 and len(self) == self.meta.get("num_tokens"):
+            return str(bin_path)
+        return f"{bin_path} [tokens {self.start}:{self.start + len(self)}]"
+
+    def first_token_at_or_above(self, limit: int) -> tuple[int, int] | None:
+        """``(offset in <prefix>.bin, id)`` of the first token id ``>= limit``, or None; scans in
+        64 Mi-token chunks (about 0.1 s per GiB from the page cache)."""
+        chunk = 64 << 20
+        for begin in range(0, len(self), chunk):
+            part = np.asarray(self.tokens[begin : begin + chunk])
+            if part.size and int(part.max()) >= limit:
+                offset = int(np.argmax(part >= limit))
+                return self.start + begin + offset, int(part[offset])
+        return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,18 +349,58 @@ def build_datasets(data_cfg: Any) -> tuple[TokenDataset, TokenDataset]:
     """
     if data_cfg.kind == "stdlib":
         prefix = Path(data_cfg.cache_dir) / f"stdlib_py{sys.version_info.major}{sys.version_info.minor}"
-        train, val = build_stdlib_corpus(
-            prefix, data_cfg.val_fraction, max_bytes=data_cfg.max_bytes, include_tests=data_cfg.include_tests
-        )
+        try:
+            train, val = build_stdlib_corpus(
+                prefix, data_cfg.val_fraction, max_bytes=data_cfg.max_bytes, include_tests=data_cfg.include_tests
+            )
+        except OSError as exc:
+            raise ConfigError(f"data.cache_dir: cannot build the stdlib corpus in {data_cfg.cache_dir!r}: {exc}") from None
         return TokenDataset(train), TokenDataset(val)
-    try:
-        dataset = TokenDataset(data_cfg.path)
-        if data_cfg.val_path is not None:
-            return dataset, TokenDataset(data_cfg.val_path)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"data.path / data.val_path: {exc}") from None
+    dataset = _open_split(data_cfg.path, "data.path")
+    if data_cfg.val_path is not None:
+        return dataset, _open_split(data_cfg.val_path, "data.val_path")
     cut = len(dataset) - int(round(len(dataset) * data_cfg.val_fraction))
     return dataset.slice(0, cut), dataset.slice(cut, len(dataset))
+
+
+def _open_split(prefix: str, key: str) -> TokenDataset:
+    try:
+        return TokenDataset(prefix)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    except (ValueError, KeyError, OSError) as exc:
+        raise ConfigError(f"{key}: {prefix!r} is not a readable {FORMAT_NAME} split: {exc}") from None
+
+
+SCAN_LIMIT_BYTES = 4 << 30
+"""``check_token_ids`` scans files up to this size before training (about 0.1 s per GiB from the
+page cache); larger ones rely on the per-batch check of ``TokenDataset.windows``."""
+
+
+def check_token_ids(dataset: TokenDataset, vocab_size: int, key: str) -> str | None:
+    """Raise ``ConfigError`` (naming ``key``) if ``dataset`` cannot feed a model of ``vocab_size``.
+
+    The header's tokenizer ``vocab_size`` must not exceed the model's; then the ids themselves
+    are scanned when the split is at most ``SCAN_LIMIT_BYTES`` (a header can be wrong, or the
+    ``.bin`` edited). Returns a note when the split was too large to scan.
+    """
+    header_vocab = int(dataset.meta.get("vocab_size", 0))
+    if header_vocab > vocab_size:
+        raise ConfigError(
+            f"{key}: {dataset.describe()} was tokenized with vocab_size {header_vocab} (its .json header), larger "
+            f"than the model's vocab_size {vocab_size}; ids >= {vocab_size} would index past the embedding"
+        )
+    nbytes = len(dataset) * dataset.tokens.dtype.itemsize
+    if nbytes > SCAN_LIMIT_BYTES:
+        return (f"{key}: {dataset.describe()} ({nbytes / 2**30:.1f} GiB) is too large to scan before training; "
+                "token ids are checked per batch")
+    bad = dataset.first_token_at_or_above(vocab_size)
+    if bad is not None:
+        raise ConfigError(
+            f"{key}: {dataset.describe()} holds token id {bad[1]} at token offset {bad[0]}, >= the model's "
+            f"vocab_size {vocab_size} (the .json header says vocab_size {header_vocab})"
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -345,6 +423,14 @@ class TokenBatcher:
     samples per epoch. Batches are consecutive runs of ``B`` in the rank's shard; the
     remainder of an epoch is dropped. ``state_dict()`` is the same on every rank (it holds
     no rank), and ``load_state_dict`` resumes exactly where a continuous run would be.
+
+    Resharding: after ``b`` batches of an epoch, the ranks together have consumed exactly
+    the first ``b * B * W`` positions of the epoch's order (rank r holds positions
+    ``r + W k``). A state saved with ``(W, B)`` therefore maps exactly onto ``(W', B')``
+    when ``b * B * W`` is a multiple of ``B' * W'``: the new ranks continue at that position
+    (the next epoch if the new layout's epoch ends before it). Otherwise the position falls
+    inside a new micro batch and loading refuses (``ValueError``) instead of repeating or
+    skipping samples. ``vocab_size``: every batch is checked against it (``TokenDataset.windows``).
     """
 
     def __init__(
@@ -357,9 +443,11 @@ class TokenBatcher:
         rank: int = 0,
         world_size: int = 1,
         shuffle: bool = True,
+        vocab_size: int | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
+        self.vocab_size = vocab_size
         self.dataset, self.micro_batch_size, self.seq_len = dataset, micro_batch_size, seq_len
         self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
         self.num_samples = dataset.num_samples(seq_len)
@@ -370,12 +458,16 @@ class TokenBatcher:
                 f"micro batch ({micro_batch_size}) per rank for world_size {world_size}"
             )
         self._pos = _Position()
+        self._consumed_before = 0  # samples consumed under an earlier (W, B) layout (resharded resume)
         self._shard: tuple[int, np.ndarray] | None = None  # (epoch, this rank's sample ids)
 
     @property
     def consumed_samples(self) -> int:
         """Samples consumed by all ranks together so far."""
-        return (self._pos.epoch * self.batches_per_epoch + self._pos.batch) * self.micro_batch_size * self.world_size
+        return self._consumed_before + self._served(self._pos)
+
+    def _served(self, pos: _Position) -> int:
+        return (pos.epoch * self.batches_per_epoch + pos.batch) * self.micro_batch_size * self.world_size
 
     def _rank_shard(self, epoch: int) -> np.ndarray:
         if self._shard is None or self._shard[0] != epoch:
@@ -395,7 +487,7 @@ class TokenBatcher:
         pos.batch += 1
         if pos.batch == self.batches_per_epoch:
             pos.epoch, pos.batch = pos.epoch + 1, 0
-        return self.dataset.windows(indices.tolist(), self.seq_len)
+        return self.dataset.windows(indices.tolist(), self.seq_len, vocab_size=self.vocab_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Position plus the fingerprint it is valid for (plain ints/bools: checkpoint-safe)."""
@@ -412,21 +504,41 @@ class TokenBatcher:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``'s position; raises ``ValueError`` if the sample order would differ."""
-        for key in ("seed", "world_size", "micro_batch_size", "seq_len", "num_samples", "shuffle"):
+        """Resume at ``state``'s position (resharded if its world size / micro batch differ, see the
+        class doc); raises ``ValueError`` if the sample order differs or the position does not map."""
+        pos = self.position_for(state)
+        self._consumed_before = int(state.get("consumed_samples", self._served(pos))) - self._served(pos)
+        self._pos = pos
+
+    def position_for(self, state: dict[str, Any]) -> _Position:
+        """Where ``state`` resumes in this batcher's layout; ``ValueError`` naming the mismatch."""
+        for key in ("seed", "seq_len", "num_samples", "shuffle"):
             if state[key] != getattr(self, key):
                 raise ValueError(
-                    f"data state mismatch on {key!r}: checkpoint has {state[key]!r}, this run {getattr(self, key)!r}"
+                    f"data state mismatch on {key!r}: checkpoint has {state[key]!r}, this run {getattr(self, key)!r} "
+                    "(the sample order would differ)"
                 )
-        if not 0 <= state["batch_in_epoch"] < self.batches_per_epoch:
+        saved_bpe = state["num_samples"] // state["world_size"] // state["micro_batch_size"]
+        if not 0 <= state["batch_in_epoch"] < saved_bpe:
+            raise ValueError(f"data state batch_in_epoch {state['batch_in_epoch']} outside [0, {saved_bpe})")
+        consumed = state["batch_in_epoch"] * state["micro_batch_size"] * state["world_size"]  # epoch positions
+        per_batch = self.micro_batch_size * self.world_size
+        if consumed % per_batch:
             raise ValueError(
-                f"data state batch_in_epoch {state['batch_in_epoch']} outside [0, {self.batches_per_epoch})"
+                f"data state: the checkpoint consumed {consumed} samples of epoch {state['epoch']} "
+                f"({state['batch_in_epoch']} batches x micro batch {state['micro_batch_size']} x world size "
+                f"{state['world_size']}), not a multiple of this run's micro batch {self.micro_batch_size} x world "
+                f"size {self.world_size} = {per_batch}: the position does not map onto whole batches"
             )
-        self._pos = _Position(int(state["epoch"]), int(state["batch_in_epoch"]))
+        batch = consumed // per_batch
+        if batch >= self.batches_per_epoch:  # this layout's epoch ended before that position
+            return _Position(int(state["epoch"]) + 1, 0)
+        return _Position(int(state["epoch"]), batch)
 
 
 def validation_batches(
-    dataset: TokenDataset, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0, world_size: int = 1
+    dataset: TokenDataset, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0, world_size: int = 1,
+    vocab_size: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``num_batches`` validation batches of this rank, always the same ones.
 
@@ -440,4 +552,5 @@ def validation_batches(
         )
     mine = np.arange(rank, per_rank * micro_batch_size * world_size, world_size)
     for k in range(min(num_batches, per_rank)):
-        yield dataset.windows(mine[k * micro_batch_size : (k + 1) * micro_batch_size].tolist(), seq_len)
+        yield dataset.windows(mine[k * micro_batch_size : (k + 1) * micro_batch_size].tolist(), seq_len,
+                              vocab_size=vocab_size)

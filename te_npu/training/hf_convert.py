@@ -67,6 +67,11 @@ def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: s
                            progress=progress and _rank() == 0)
 
 
+FRESH_START_EXTRA = {"data": None, "skipped_iterations": 0, "rng": None}
+"""Per-rank extra state of a converted step 0: weights only, no training position (the run that
+resumes from it reads its data from the start and keeps its seeded RNG)."""
+
+
 def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool = True) -> str:
     """Write the HF directory ``hf_dir`` as a te_npu DCP checkpoint at step 0 in ``out``; returns its path."""
     adapter = hf_weights.hf_adapter_of(task, cfg, where="model")
@@ -78,7 +83,7 @@ def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool =
     _materialize_sharded_(model, _mesh())
     optimizer = MasterWeightOptimizer(model, lr=cfg.training.lr)  # no 8-bit weights: masters from the params
     hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and _rank() == 0)
-    return checkpoint.save(out, model, optimizer, 0, extra=None)
+    return checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA)
 
 
 def _materialize_sharded_(model: nn.Module, mesh) -> None:

@@ -3,9 +3,17 @@
 Model-agnostic: a ``TrainTask`` says how to build, validate, initialise and score one model
 family (DeepSeek-V3's is ``models/deepseek_v3/pretrain.py``). Build order of ``setup``:
 
-    process group -> capability gate -> meta build -> spec validation -> materialize + init
+    preflight (device, writable dirs, the checkpoint folder's lock, which step to resume)
+    -> process group -> data (headers, token ids vs the model's vocab) -> resume check (the
+    step verified against its manifest, the data position mapped onto this world size)
+    -> capability gate -> meta build -> spec validation -> materialize + init
     -> finalize low-precision weights -> shard validation + FSDP2 -> activation checkpointing
-    -> FP32-master optimizer -> data -> DCP resume
+    -> FP32-master optimizer -> DCP resume
+
+Everything before the meta build needs only the config, the data headers and the filesystem,
+so a bad input fails in seconds with a ``ConfigError``. The error path (one report, every rank
+out fast) belongs to the entry point: ``te_npu.training.job.run_job``; ``close`` is the success
+path only (it ends with a barrier), ``abandon`` the error path's local cleanup.
 
 One optimizer step = ``gradient_accumulation_steps`` calls of ``forward_backward`` (FSDP2
 reduce-scatters each micro-batch's gradients; weights are never re-quantized between them),
@@ -35,13 +43,16 @@ from te_npu.distributed import (
     shard_model,
     validate_parallel_config,
 )
+from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.distributed.sharding import TE_MODULE_TYPES
 from te_npu.errors import ConfigError
 from te_npu.modules.base import assign_fqns
 from te_npu.ops import observe, require_low_precision
-from te_npu.training import hf_weights
+from te_npu.training import hf_weights, preflight
 from te_npu.training.config import TrainConfig
-from te_npu.training.data import TokenBatcher, build_datasets, validation_batches
+from te_npu.training.data import TokenBatcher, build_datasets, check_token_ids, validation_batches
+from te_npu.training.divergence import DivergenceGuard, TrainingDiverged
+from te_npu.training.job import StopRequest, launch_env
 from te_npu.training.metrics_log import MetricsLogger, peak_memory_mb
 from te_npu.training.probe import STProbe
 from te_npu.training.recompute import apply_activation_checkpointing
@@ -64,6 +75,9 @@ class TrainTask(Protocol):
 
     def materialize(self, model: nn.Module, *, seed: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate on ``device`` and initialise deterministically from ``seed``."""
+
+    def vocab_size(self, cfg: TrainConfig) -> int:
+        """Token ids the model embeds (ids must be ``< vocab_size``); read from the config, no build."""
 
     def layer_types(self) -> tuple[type[nn.Module], ...]:
         """Module types that are FSDP2 units and activation-recompute units (decoder layers)."""
@@ -94,14 +108,21 @@ class StepRecord:
 class Trainer:
     """Set up with ``setup(cfg)``, then ``train()`` (or drive ``train_step`` / the pieces yourself)."""
 
-    def __init__(self, task: TrainTask, *, print_fn=print) -> None:
+    def __init__(self, task: TrainTask, *, print_fn=print, stop: StopRequest | None = None) -> None:
+        """``stop``: the job's ``StopRequest`` (signal handlers set it; see ``te_npu.training.job``)."""
         self.task = task
         self.probe: STProbe | None = None
         self._print = print_fn
+        self.stop = stop
         self.global_step = 0
         self.skipped_iterations = 0
         self.grad_norm: float | None = None
+        self.lineage: str | None = None  # the run the checkpoints belong to (kept across resumes)
+        self._parent_step: int | None = None  # the step this run resumed from or last saved (its history)
         self._owns_process_group = False
+        self._lock: FolderLock | None = None
+        self._resume_path: str | None = None
+        self._stop_agreed = False
 
     def register_test_probe(self, probe: STProbe) -> None:
         """Attach a read-only ``STProbe`` (before ``setup``)."""
@@ -109,17 +130,27 @@ class Trainer:
 
     # ---- build -------------------------------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
-        """Build everything in the spec's order; resume from the latest DCP checkpoint if asked."""
+        """Build everything in the spec's order; resume from the latest DCP checkpoint if asked.
+        If setup fails, the checkpoint folder's lock is released before the error propagates."""
+        try:
+            return self._setup(cfg)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _setup(self, cfg: TrainConfig) -> Trainer:
         self.cfg, t = cfg, cfg.training
         self.recipe = cfg.low_precision.recipe
         validate_parallel_config(comm_fusion=cfg.fsdp_config.comm_fusion)
-        _check_resume_path(cfg.checkpoint)  # a non-DCP resume path fails here, before anything is built
+        self._preflight()  # device, the resume step: checks every rank makes alike, before any process group
         c = cfg.checkpoint
-        resuming = c.resume is True or (c.resume == "auto" and _has_checkpoint(c.dir))
-        hf_start = self._open_initial_hf(cfg) if cfg.checkpoint.initial_load_path and not resuming else None
-        if cfg.checkpoint.last_save_format == "hf":  # an export the task cannot write fails now, not after training
+        hf_start = self._open_initial_hf(cfg) if c.initial_load_path and self._resume_path is None else None
+        if c.last_save_format == "hf":  # an export the task cannot write fails now, not after training
             hf_weights.hf_adapter_of(self.task, cfg, where="checkpoint.last_save_format: hf")
         self._init_distributed()
+        self._claim_folders()  # rank 0: logging.dir writable, checkpoint.dir locked; every rank agrees
+        self._setup_data()  # data headers, token ids vs the model's vocab, the sampler
+        self._check_resume()  # the resume step's manifest, data position and world size: before the build
         if self.recipe is not None:
             require_low_precision(self.recipe.format, self.device)  # only touches torch_npu on npu
         self.dtype = _DTYPES[t.param_dtype]
@@ -164,7 +195,6 @@ class Trainer:
         if hf_start is not None:
             self._load_initial_hf(hf_start)
 
-        self._setup_data()
         self.logger = MetricsLogger(
             cfg.logging.dir,
             train_steps=t.train_steps,
@@ -174,28 +204,78 @@ class Trainer:
             print_fn=self._print,
         )
         self.logger.log_config(cfg.to_dict())
-        resume = cfg.checkpoint.resume
-        if resume is True or (resume == "auto" and _has_checkpoint(cfg.checkpoint.dir)):
-            self.load_dcp(cfg.checkpoint.dir)
+        if self._resume_path is not None:
+            self.load_dcp(self._resume_path, verified=True)
+        if self.stop is not None and cfg.checkpoint.save_on_sigterm:
+            self.stop.graceful = True
         return self
 
+    def _preflight(self) -> None:
+        """Checks on the config, filesystem and device that give the same answer on every rank."""
+        cfg, env = self.cfg, launch_env()
+        self.rank = dist.get_rank() if dist.is_initialized() else env.rank
+        self.world_size = dist.get_world_size() if dist.is_initialized() else env.world_size
+        if cfg.fsdp_config.dp_shard_size != self.world_size:
+            raise ConfigError(
+                f"fsdp_config.dp_shard_size: {cfg.fsdp_config.dp_shard_size} does not match the "
+                f"{self.world_size} launched rank(s); FSDP2 shards over every rank (no replication groups)"
+            )
+        preflight.check_device(cfg.training.device, env.local_rank, env.local_world_size)
+        self._resume_path = preflight.resume_target(cfg.checkpoint)
+
+    def _claim_folders(self) -> None:
+        """Rank 0 (the only writer of logs and of the folder's top level) proves ``logging.dir``
+        writable and locks ``checkpoint.dir``; its ``ConfigError`` is raised on every rank."""
+        cfg, error = self.cfg, None
+        if self.rank == 0:
+            try:
+                preflight.check_writable(cfg.logging.dir, "logging.dir")
+                self._lock = acquire_folder_lock(cfg.checkpoint.dir)  # also proves the folder writable
+            except ConfigError as exc:
+                error = str(exc)
+            else:
+                if self._lock.stale_holder is not None:
+                    self._print(f" note: took over the lock of {cfg.checkpoint.dir}, left by a job that did not "
+                                f"release it ({describe_holder(self._lock.stale_holder)})")
+        if self.world_size > 1:
+            errors: list = [None] * self.world_size
+            dist.all_gather_object(errors, error)
+            error = errors[0]
+        if error is not None:
+            raise ConfigError(error)
+
+    def _check_resume(self) -> None:
+        """Verify the step to resume (collective) and that its data position maps onto this run;
+        refuse a save plan that would overwrite another run's steps."""
+        c, t = self.cfg.checkpoint, self.cfg.training
+        start = 0
+        if self._resume_path is not None:
+            checkpoint.verify_step(self._resume_path, checksums=c.verify_checksums)
+            info = checkpoint.step_info(self._resume_path)
+            extra = torch.load(os.path.join(self._resume_path, "extra_rank0.pt"), weights_only=True)
+            try:
+                if extra["data"] is not None:  # None: a converted step 0 (weights only), data from the start
+                    self.batcher.position_for(extra["data"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(
+                    f"checkpoint.dir: cannot resume {self._resume_path} (saved by {info.get('world_size')} ranks) on "
+                    f"{self.world_size} rank(s) with this data config: {exc}"
+                ) from None
+            start, self.lineage = int(info["step"]), info.get("lineage")
+        self.lineage = self.lineage or checkpoint.new_lineage()
+        planned = preflight.planned_saves(start, t.train_steps, c.interval)
+        preflight.check_step_collisions(c.dir, planned, self.lineage if self._resume_path else None)
+
     def _init_distributed(self) -> None:
-        t = self.cfg.training
-        device_type = t.device
-        if device_type == "npu":
-            import torch_npu  # noqa: F401  (registers the npu device; only on the npu path)
+        t, env = self.cfg.training, launch_env()
+        device_type = t.device  # torch_npu was imported by the preflight device check
         backend = _BACKENDS[device_type] if t.backend == "auto" else t.backend
-        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if not dist.is_initialized() and env.world_size > 1:
             dist.init_process_group(backend=backend)
             self._owns_process_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if self.cfg.fsdp_config.dp_shard_size != self.world_size:
-            raise ConfigError(
-                f"fsdp_config.dp_shard_size: {self.cfg.fsdp_config.dp_shard_size} does not match the "
-                f"{self.world_size} launched rank(s); FSDP2 shards over every rank (no replication groups)"
-            )
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = env.local_rank
         if device_type == "cpu":
             self.device = torch.device("cpu")
         else:
@@ -204,19 +284,30 @@ class Trainer:
 
     def _setup_data(self) -> None:
         t, d = self.cfg.training, self.cfg.data
-        if self.rank == 0:
-            build_datasets(d)  # build / verify the cache once before the other ranks read it
-        self._barrier()
+        if d.kind == "stdlib":
+            if self.rank == 0:
+                build_datasets(d)  # build / verify the cache once before the other ranks read it
+            self._barrier()
         self.train_data, self.val_data = build_datasets(d)
-        self.batcher = TokenBatcher(
-            self.train_data,
-            t.micro_batch_size,
-            t.seq_len,
-            seed=t.seed,
-            rank=self.rank,
-            world_size=self.world_size,
-            shuffle=d.shuffle,
-        )
+        self.vocab_size = self.task.vocab_size(self.cfg)
+        key = "data.path" if d.kind == "bin" else "data.kind"
+        for dataset, which in ((self.train_data, key), (self.val_data, "data.val_path" if d.val_path else key)):
+            note = check_token_ids(dataset, self.vocab_size, which)
+            if note:
+                self._print_rank0(f" note: {note}")
+        try:
+            self.batcher = TokenBatcher(
+                self.train_data,
+                t.micro_batch_size,
+                t.seq_len,
+                seed=t.seed,
+                rank=self.rank,
+                world_size=self.world_size,
+                shuffle=d.shuffle,
+                vocab_size=self.vocab_size,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"{key} / training.seq_len / training.micro_batch_size: {exc}") from None
 
     # ---- one step ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -270,7 +361,7 @@ class Trainer:
         start = time.perf_counter()
         losses = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
         result = self.optimizer_step()
-        loss = self._mean_over_ranks(torch.stack(losses).float().mean())
+        loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
         self._synchronize()
         elapsed = time.perf_counter() - start
         if self.probe is not None:
@@ -286,7 +377,7 @@ class Trainer:
         losses = []
         batches = validation_batches(
             self.val_data, t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
-            world_size=self.world_size,
+            world_size=self.world_size, vocab_size=self.vocab_size,
         )
         with te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             for input_ids, labels in batches:
@@ -295,9 +386,18 @@ class Trainer:
 
     # ---- loop --------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
-        """Run until ``training.train_steps``; log, evaluate, checkpoint and plot on the way."""
+        """Run until ``training.train_steps``; log, evaluate, checkpoint and plot on the way.
+
+        A divergence rule (``te_npu.training.divergence``) raises ``TrainingDiverged`` before
+        anything is saved; a graceful SIGTERM (``checkpoint.save_on_sigterm``) saves and returns.
+        An interval save that falls on a skipped step waits for the next successful one (the
+        weights have not changed meanwhile), so a run that dies in a streak of skipped steps
+        never writes, or prunes for, checkpoints of the dead model.
+        """
         t, c = self.cfg.training, self.cfg.checkpoint
-        records = []
+        guard = DivergenceGuard(max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
+                                stop_on_nonfinite_loss=t.stop_on_nonfinite_loss, loss_spike_factor=t.loss_spike_factor)
+        records, save_due = [], False
         if self.global_step >= t.train_steps:
             self._print_rank0(f" training already complete at iteration {self.global_step}; nothing to do")
         global_batch = t.micro_batch_size * t.gradient_accumulation_steps * self.world_size
@@ -312,10 +412,25 @@ class Trainer:
                     consumed_samples=self.batcher.consumed_samples, tokens_per_s=record.tokens_per_s,
                     skipped_iterations=self.skipped_iterations, peak_mem_mb=peak_memory_mb(self.device),
                 )
+            try:
+                guard.check(step, record.lm_loss, record.updated)
+            except TrainingDiverged as exc:
+                raise TrainingDiverged(f"{exc}; nothing saved, no checkpoint pruned ({self._latest_note()})") from None
+            if self._stop_agreed:  # SIGTERM on some rank, combined over ranks with this step's loss
+                self.save_dcp()
+                self._print_rank0(f" stopped on SIGTERM after iteration {step} (checkpoint saved)")
+                return records
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.train_steps):
                 self.logger.log_validation(step, lm_loss=self.evaluate())
-            if c.interval and step % c.interval == 0 and step != t.train_steps:
-                self.save_dcp()
+            save_due = save_due or bool(c.interval and step % c.interval == 0)
+            if save_due and step != t.train_steps:
+                if guard.skipped_in_a_row:
+                    if c.interval and step % c.interval == 0:
+                        self._print_rank0(f" not saving at iteration {step}: it was skipped; the save follows the "
+                                          "next successful step")
+                else:
+                    self.save_dcp()
+                    save_due = False
         if records:
             self.save_dcp()
             if c.last_save_format == "hf":
@@ -326,26 +441,39 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_dcp(self, directory: str | None = None) -> str:
-        """Atomic DCP save of BF16 weights, FP32 masters/moments, step, data position and RNG."""
+        """Atomic DCP save of BF16 weights, FP32 masters/moments, step, data position and RNG.
+
+        Refuses (``TrainingDiverged``) to save non-finite masters over the good checkpoints.
+        """
+        self._require_finite_masters()
         extra = {
             "data": self.batcher.state_dict(),
             "skipped_iterations": self.skipped_iterations,
             "rng": torch.get_rng_state(),
         }
         path = checkpoint.save(directory or self.cfg.checkpoint.dir, self.model, self.optimizer, self.global_step,
-                               extra, keep_last=self.cfg.checkpoint.keep_last or None)
+                               extra, keep_last=self.cfg.checkpoint.keep_last or None, lineage=self.lineage,
+                               parent=self._parent_step)
+        self._parent_step = self.global_step
         self._print_rank0(f" saved checkpoint at iteration {self.global_step} to {path}")
         return path
 
-    def load_dcp(self, directory: str | None = None) -> int:
-        """Restore the latest checkpoint: masters, moments, step, data position; rebuild 8-bit shards."""
-        step, extra = checkpoint.load(directory or self.cfg.checkpoint.dir, self.model, self.optimizer)
+    def load_dcp(self, directory: str | None = None, *, verified: bool = False) -> int:
+        """Restore the latest checkpoint (or a step dir): masters, moments, step, data position,
+        skipped count, RNG; rebuild 8-bit shards. ``verified``: the manifest was checked already."""
+        path = checkpoint.latest_checkpoint(directory or self.cfg.checkpoint.dir)
+        step, extra = checkpoint.load(path, self.model, self.optimizer, verify=not verified,
+                                      checksums=self.cfg.checkpoint.verify_checksums)
         self.global_step = int(step)
-        if extra:
+        self.lineage = checkpoint.step_info(path).get("lineage") or self.lineage
+        self._parent_step = self.global_step
+        if extra["data"] is not None:  # None: a converted step 0 (weights only): data and RNG as a fresh run
             self.batcher.load_state_dict(extra["data"])
-            self.skipped_iterations = int(extra.get("skipped_iterations", 0))
+        self.skipped_iterations = int(extra["skipped_iterations"])
+        if extra["rng"] is not None:
             torch.set_rng_state(extra["rng"])
-        self._print_rank0(f" resumed from checkpoint at iteration {self.global_step}")
+        self._print_rank0(f" resumed from checkpoint at iteration {self.global_step} ({path}, consumed samples "
+                          f"{self.batcher.consumed_samples})")
         return self.global_step
 
     def save_hf(self, directory: str | None = None) -> str:
@@ -372,12 +500,20 @@ class Trainer:
                           f"{report.bytes_read / 2**20:.1f} of {report.checkpoint_bytes / 2**20:.1f} MiB (its shards)")
 
     def close(self) -> None:
-        """Close logs; tear down the process group if this trainer created it."""
-        if hasattr(self, "logger"):
-            self.logger.close()
+        """Success path: close logs, release the checkpoint folder, and tear down the process
+        group if this trainer created it (after a barrier: every rank got here)."""
+        self.abandon()
         if self._owns_process_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+    def abandon(self) -> None:
+        """Error path: close logs and release the checkpoint folder's lock, no collective."""
+        if hasattr(self, "logger"):
+            self.logger.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # ---- helpers -----------------------------------------------------------------------------
     def _plot(self) -> None:
@@ -386,6 +522,34 @@ class Trainer:
         out = Path(self.cfg.logging.dir) / "curves.png"
         plot_runs([(Path(self.cfg.logging.dir).name, read_run(Path(self.cfg.logging.dir), self.cfg.logging.metrics_jsonl))], out)
         self._print_rank0(f" wrote {out}")
+
+    def _loss_and_stop(self, loss: torch.Tensor) -> tuple[float, bool]:
+        """Mean loss over ranks and whether any rank asked to stop (one all-reduce for both)."""
+        stop = float(self.stop is not None and self.stop.signum is not None)
+        if self.world_size == 1:
+            return float(loss), bool(stop)
+        both = torch.stack([loss.detach().float(), torch.tensor(stop)]).to(self._collective_device())
+        dist.all_reduce(both)
+        return float(both[0] / self.world_size), bool(both[1] > 0)
+
+    def _require_finite_masters(self) -> None:
+        bad = [fqn for fqn, m in self.optimizer.masters.items() if not bool(torch.isfinite(_local(m)).all())]
+        count = torch.tensor(float(len(bad)))
+        if self.world_size > 1:
+            count = count.to(self._collective_device())
+            dist.all_reduce(count)
+        if count.item():
+            example = f" (e.g. {bad[0]})" if bad else ""
+            raise TrainingDiverged(
+                f"iteration {self.global_step}: {int(count.item())} FP32 master shard(s) hold NaN/Inf{example}; "
+                f"refusing to save them over the good checkpoints ({self._latest_note()})"
+            )
+
+    def _latest_note(self) -> str:
+        try:
+            return f"latest complete checkpoint: {checkpoint.latest_checkpoint(self.cfg.checkpoint.dir)}"
+        except ConfigError:
+            return f"no checkpoint in {self.cfg.checkpoint.dir} yet"
 
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         if self.world_size > 1:
@@ -422,15 +586,5 @@ def _other_dtype_module_types(model: nn.Module, dtype: torch.dtype) -> tuple[typ
     return tuple(sorted(types - set(TE_MODULE_TYPES), key=lambda t: t.__qualname__))
 
 
-def _check_resume_path(c) -> None:
-    """``checkpoint.resume`` true (or ``auto`` with something at ``checkpoint.dir``) needs a te_npu DCP checkpoint."""
-    if c.resume is False or (c.resume == "auto" and not (os.path.isfile(c.dir) or _has_checkpoint(c.dir))):
-        return
-    try:
-        checkpoint.latest_checkpoint(c.dir)
-    except ConfigError as exc:
-        raise ConfigError(f"checkpoint.dir (checkpoint.resume: {str(c.resume).lower()}): {exc}") from None
-
-
-def _has_checkpoint(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, "latest"))
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)

@@ -118,3 +118,112 @@ def test_checkpoint_rejects_non_dcp_paths(tmp_path):
         checkpoint.load(tmp_path / "model.pt", model, opt)
     with pytest.raises(ConfigError, match="not a te_npu DCP checkpoint"):
         checkpoint.load(tmp_path, model, opt)
+
+
+# ---- one process: lineage-scoped pruning, interrupted saves, manifests --------------------------
+
+
+def _save(directory, step, *, lineage=None, parent=None, keep_last=None, fmt="mxfp8"):
+    model, opt = _setup(fmt, 1)
+    return checkpoint.save(directory, model, opt, step, extra={"step": step}, keep_last=keep_last,
+                           lineage=lineage, parent=parent)
+
+
+def _steps(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith("step_"))
+
+
+def test_checkpoint_prune_keeps_an_older_runs_steps(tmp_path):
+    # the issue's case: a new run (resume=false) in a folder holding an older run's step_18, step_20
+    _save(tmp_path, 18, lineage="old")
+    _save(tmp_path, 20, lineage="old", parent=18)
+    parent = None
+    for step in (2, 4, 6):
+        _save(tmp_path, step, lineage="new", parent=parent, keep_last=2)
+        parent = step
+    assert _steps(tmp_path) == ["step_18", "step_20", "step_4", "step_6"]
+    assert checkpoint.latest_checkpoint(tmp_path).endswith("step_6")
+
+
+def test_checkpoint_prune_spares_abandoned_and_newer_steps(tmp_path):
+    for step, parent in ((2, None), (4, 2), (6, 4)):
+        _save(tmp_path, step, lineage="run", parent=parent)
+    _save(tmp_path, 8, lineage="run", parent=2, keep_last=2)  # resumed from step_2: 4 and 6 were abandoned
+    assert _steps(tmp_path) == ["step_2", "step_4", "step_6", "step_8"]
+    _save(tmp_path, 10, lineage="run", parent=8, keep_last=2)  # history 10 <- 8 <- 2: only step_2 goes
+    assert _steps(tmp_path) == ["step_10", "step_4", "step_6", "step_8"]
+    assert not any(n.endswith(".pruning") for n in os.listdir(tmp_path))
+
+
+def test_checkpoint_save_refuses_to_replace_another_runs_step(tmp_path):
+    _save(tmp_path, 4, lineage="theirs")
+    with pytest.raises(RuntimeError, match="belongs to another run"):
+        _save(tmp_path, 4, lineage="ours")
+    assert checkpoint.step_info(tmp_path / "step_4")["lineage"] == "theirs"
+
+
+class _Interrupted(BaseException):
+    """Stands for the signal handler's exception (a BaseException, as ``JobInterrupted``)."""
+
+
+@pytest.mark.parametrize("where", ["dcp.save", "hash_files", "write_manifest", "os.rename", "write_latest", "prune"])
+def test_checkpoint_interrupted_save_keeps_previous_latest(tmp_path, monkeypatch, where):
+    _save(tmp_path, 2, lineage="run", keep_last=1)
+    targets = {"dcp.save": (checkpoint.dcp, "save"), "hash_files": (checkpoint, "hash_files"),
+               "write_manifest": (checkpoint, "write_manifest"), "os.rename": (checkpoint.os, "rename"),
+               "write_latest": (checkpoint, "_write_latest"), "prune": (checkpoint, "_prune")}
+    owner, name = targets[where]
+    original = getattr(owner, name)
+
+    def interrupted(*args, **kwargs):
+        if where == "os.rename" and not str(args[0]).endswith("step_4.tmp"):
+            return original(*args, **kwargs)  # DCP's own .metadata rename
+        raise _Interrupted(where)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    with pytest.raises(_Interrupted):
+        _save(tmp_path, 4, lineage="run", parent=2, keep_last=1)
+    monkeypatch.undo()
+    latest = checkpoint.latest_checkpoint(tmp_path)
+    # the old latest survives every point except after the new latest was written (then the new one is complete)
+    assert latest.endswith("step_4" if where == "prune" else "step_2")
+    checkpoint.verify_step(latest)
+    model, opt = _setup("mxfp8", 1, seed=5)
+    step, extra = checkpoint.load(tmp_path, model, opt)
+    assert extra == {"step": step}
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_extra", "delete_manifest", "delete_metadata"])
+def test_checkpoint_damaged_step_names_file_and_previous_step(tmp_path, damage):
+    _save(tmp_path, 2, lineage="run")
+    step4 = _save(tmp_path, 4, lineage="run", parent=2)
+    shard = next(n for n in os.listdir(step4) if n.endswith(".distcp"))
+    victim = {"flip_byte": shard, "truncate": shard, "delete_extra": "extra_rank0.pt",
+              "delete_manifest": "manifest.json", "delete_metadata": ".metadata"}[damage]
+    path = os.path.join(step4, victim)
+    if damage == "flip_byte":
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0x01
+        open(path, "wb").write(bytes(data))
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        os.remove(path)
+    model, opt = _setup("mxfp8", 1)
+    with pytest.raises(ConfigError) as info:
+        checkpoint.load(tmp_path, model, opt)
+    message = str(info.value)
+    assert (victim in message or "not a te_npu DCP checkpoint step" in message), message
+    if damage != "delete_metadata":  # .metadata gone: the directory no longer looks like a step at all
+        assert "checkpoint.load_step=2" in message, message
+    if damage == "flip_byte":  # only the checksum sees a flipped byte; sizes alone do not
+        checkpoint.verify_step(step4, checksums=False)
+    step, _ = checkpoint.load(tmp_path / "step_2", model, opt)
+    assert step == 2
+
+
+def test_checkpoint_latest_naming_a_missing_step_names_both(tmp_path):
+    _save(tmp_path, 2, lineage="run")
+    (tmp_path / "latest").write_text("step_9")
+    with pytest.raises(ConfigError, match=r"latest names 'step_9', but .*step_9 does not exist.*step_2"):
+        checkpoint.latest_checkpoint(tmp_path)

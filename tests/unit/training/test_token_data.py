@@ -14,6 +14,7 @@ from te_npu.training.data import (
     TokenDataset,
     build_datasets,
     build_stdlib_corpus,
+    check_token_ids,
     split_by_file,
     stdlib_sources,
     validation_batches,
@@ -109,10 +110,79 @@ def test_token_batcher_resume_matches_continuous_run(tmp_path):
 def test_token_batcher_state_mismatch_fails(tmp_path):
     ds = arange_dataset(tmp_path)
     state = TokenBatcher(ds, 4, 16, seed=1, world_size=2).state_dict()
-    with pytest.raises(ValueError, match="world_size"):
-        TokenBatcher(ds, 4, 16, seed=1, world_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         TokenBatcher(ds, 4, 16, seed=2, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="seq_len"):
+        TokenBatcher(ds, 4, 8, seed=1, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle"):
+        TokenBatcher(ds, 4, 16, seed=1, world_size=2, shuffle=False).load_state_dict(state)
+
+
+def _epoch_positions(batcher, steps, seq_len):
+    """Sample ids served by ``steps`` batches of ``batcher``."""
+    return [i for _ in range(steps) for i in sample_ids(next(batcher), seq_len)]
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [((2, 4), (1, 4)), ((1, 4), (2, 4)), ((2, 4), (4, 2)), ((2, 2), (1, 8))],
+                         ids=["2x4->1x4", "1x4->2x4", "2x4->4x2", "2x2->1x8"])
+def test_token_batcher_reshards_at_exact_position(tmp_path, saved, resumed):
+    ds, seq = arange_dataset(tmp_path), 16
+    (w0, b0), (w1, b1) = saved, resumed
+    before = [TokenBatcher(ds, b0, seq, seed=5, rank=r, world_size=w0) for r in range(w0)]
+    consumed = set()
+    for batcher in before:
+        consumed |= set(_epoch_positions(batcher, 8, seq))
+    state = before[0].state_dict()
+    after = [TokenBatcher(ds, b1, seq, seed=5, rank=r, world_size=w1) for r in range(w1)]
+    for batcher in after:
+        batcher.load_state_dict(state)
+        assert batcher.consumed_samples == state["consumed_samples"]
+    # the new ranks continue the same epoch order exactly where the old ones stopped: nothing
+    # repeated, nothing skipped (the union of old + new is a prefix of the epoch's order)
+    order = np.random.default_rng([5, 0]).permutation(ds.num_samples(seq))
+    steps = 3
+    served = set()
+    for batcher in after:
+        served |= set(_epoch_positions(batcher, steps, seq))
+    assert not served & consumed
+    total = len(consumed) + len(served)
+    assert consumed | served == set(order[:total].tolist())
+    assert after[0].consumed_samples == state["consumed_samples"] + steps * b1 * w1
+
+
+def test_token_batcher_refuses_position_inside_a_batch(tmp_path):
+    ds = arange_dataset(tmp_path)
+    first = TokenBatcher(ds, 4, 16, seed=1, world_size=1)
+    next(first)  # 4 samples consumed: not a multiple of 4 x 2
+    with pytest.raises(ValueError, match="does not map onto whole batches"):
+        TokenBatcher(ds, 4, 16, seed=1, world_size=2).load_state_dict(first.state_dict())
+
+
+def test_token_batcher_checks_ids_against_vocab(tmp_path):
+    ids = np.arange(400) % 250
+    ids[100] = 300
+    write_token_file(tmp_path / "v", [("v", b"", ids)], vocab_size=512, tokenizer={}, eos_token_id=None, split="x")
+    ds = TokenDataset(tmp_path / "v")
+    batcher = TokenBatcher(ds, 1, 16, seed=0, shuffle=False, vocab_size=256)
+    for _ in range(6):  # samples 0-5 hold tokens 0..96: fine
+        next(batcher)
+    with pytest.raises(ValueError, match=r"v\.bin: token id 300 at token offset 100 \(sample 6\) is >= .* 256"):
+        next(batcher)
+
+
+def test_check_token_ids_before_training(tmp_path):
+    ids = np.arange(1000) % 200
+    write_token_file(tmp_path / "ok", [("d", b"", ids)], vocab_size=256, tokenizer={}, eos_token_id=None, split="x")
+    assert check_token_ids(TokenDataset(tmp_path / "ok"), 256, "data.path") is None
+    with pytest.raises(ConfigError, match=r"data\.path: .*vocab_size 256 .*larger than the model's vocab_size 128"):
+        check_token_ids(TokenDataset(tmp_path / "ok"), 128, "data.path")
+    # a .bin edited after the header was written: the scan finds the id (train slice reports the file offset)
+    tokens = np.memmap(tmp_path / "ok.bin", dtype=np.uint16, mode="r+")
+    tokens[900] = 40000
+    tokens.flush()
+    tail = TokenDataset(tmp_path / "ok").slice(800, 1000)
+    with pytest.raises(ConfigError, match=r"ok\.bin \[tokens 800:1000\] holds token id 40000 at token offset 900"):
+        check_token_ids(tail, 256, "data.path")
 
 
 def test_token_batcher_too_small_dataset_fails(tmp_path):

@@ -48,6 +48,11 @@ ILLEGAL = [
     ("model.validate_16b=true", "model.validate_16b"),
     ("model.hf_config=/nonexistent/config.json", "model.preset / model.hf_config"),
     ("model.overrides.hidden_sise=64", "model.overrides.hidden_sise"),
+    ("training.seq_len=33", "training.micro_batch_size x training.seq_len"),  # MXFP8: 4 x 33 tokens % 32
+    ("training.loss_spike_factor=0.5", "training.loss_spike_factor"),
+    ("training.max_consecutive_skipped_steps=-1", "training.max_consecutive_skipped_steps"),
+    ("checkpoint.load_step=-2", "checkpoint.load_step"),
+    ("checkpoint.dir=''", "checkpoint.dir"),
 ]
 
 
@@ -203,3 +208,33 @@ def test_config_hf_override_fields_exist_in_transformers():
     known = set(inspect.signature(hf_cls.__init__).parameters) | set(hf_cls().to_dict())
     legacy = {"rope_theta", "rope_scaling", "num_nextn_predict_layers"}
     assert HF_DEEPSEEK_V3_FIELDS - legacy <= known
+
+
+def test_config_load_step_needs_resume():
+    with pytest.raises(ConfigError, match=r"checkpoint\.load_step: 4 needs checkpoint\.resume"):
+        load_config(TINY, ["checkpoint.resume=false", "checkpoint.load_step=4"])
+    assert load_config(TINY, ["checkpoint.load_step=4"]).checkpoint.load_step == 4
+
+
+def test_config_token_rule_only_for_block_formats():
+    assert load_config(TINY, ["training.seq_len=33", "low_precision.enabled=false"]).training.seq_len == 33
+    hif8 = "low_precision={enabled: true, format: hif8, scaling: current}"
+    assert load_config(TINY, ["training.seq_len=33", hif8]).training.seq_len == 33
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("training:\n  lr: [1\n", r"is not valid YAML \(line \d+, column \d+\)"),
+    ("", r"model\.preset / model\.hf_config"),
+    ("\x00\x00", r"not valid YAML|cannot be read"),
+])
+def test_config_bad_files_are_one_line_config_errors(tmp_path, text, match):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config(tmp_path / "c.yaml")
+    assert "\n" not in str(info.value)
+
+
+def test_config_file_without_training_section_uses_defaults(tmp_path):
+    (tmp_path / "c.yaml").write_text("model:\n  preset: dsv3_tiny\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.training.device == "cpu" and cfg.checkpoint.verify_checksums and not cfg.checkpoint.save_on_sigterm

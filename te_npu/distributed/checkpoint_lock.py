@@ -1,0 +1,131 @@
+"""One job per checkpoint folder: an exclusive lock on ``<dir>/te_npu.lock``, held by rank 0.
+
+The lock is a POSIX record lock (``fcntl.lockf``) on the whole file, taken without waiting.
+The kernel releases it when the holding process dies (SIGKILL included), it is not inherited
+by forked children, and it works on NFS (through the lock manager). While held, the file holds
+the holder's identity as JSON (``host``, ``pid``, ``started`` ISO time, ``argv``); a clean
+release adds ``released``. A second job on the same folder fails at start naming the holder;
+a file whose holder never released it (killed) but whose lock is free is a stale lock: it is
+taken over and the takeover is reported.
+
+POSIX locks belong to the process, and closing *any* descriptor of the file drops them: the
+holder never opens the file a second time (it reads and writes through the one descriptor).
+Stdlib only, so a test can hold a lock from a forked process cheaply.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from te_npu.errors import ConfigError
+
+__all__ = ["LOCK_NAME", "FolderLock", "acquire_folder_lock", "describe_holder"]
+
+LOCK_NAME = "te_npu.lock"
+
+
+@dataclass
+class FolderLock:
+    """A held lock; ``stale_holder`` is the identity of a previous holder that died holding it."""
+
+    path: str
+    fd: int
+    holder: dict
+    stale_holder: dict | None = None
+
+    def release(self) -> None:
+        """Mark the file released and drop the lock (idempotent)."""
+        if self.fd < 0:
+            return
+        try:
+            _write(self.fd, {**self.holder, "released": _now()})
+        except OSError:
+            pass  # the lock goes with the descriptor either way
+        finally:
+            os.close(self.fd)  # closing the only descriptor releases the POSIX lock
+            self.fd = -1
+
+
+def acquire_folder_lock(directory: str, *, key: str = "checkpoint.dir") -> FolderLock:
+    """Create ``directory`` if needed and lock it for this process, or raise ``ConfigError``
+    naming the holder (``key`` is the config field the message names)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot create the lock file in {directory!r}: {exc.strerror or exc}") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        previous = _read(fd)
+        os.close(fd)
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+            raise ConfigError(f"{key}: cannot lock {path!r}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{key}: {directory!r} is in use by another job ({_describe(previous)}; lock file {path}); "
+                          f"two jobs must not write one checkpoint folder: stop that job{_hint(previous)}, "
+                          "or give this run another checkpoint.dir") from None
+    previous = _read(fd)
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": _now(), "argv": sys.argv}
+    try:
+        _write(fd, holder)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"{key}: {directory!r} is not writable: {exc.strerror or exc}") from None
+    stale = previous if previous and "pid" in previous and "released" not in previous else None
+    return FolderLock(path, fd, holder, stale)
+
+
+def describe_holder(holder: dict | None) -> str:
+    """``host h, pid p, started t`` of a lock file's content."""
+    return _describe(holder)
+
+
+def _describe(holder: dict | None) -> str:
+    if not holder:
+        return "holder unknown: the lock file is empty"
+    text = f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}"
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
+        text += "; that pid is gone here, so a process that inherited its lock still holds it"
+    return text
+
+
+def _hint(holder: dict | None) -> str:
+    if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        return f" (an orphan of a killed launcher? `kill {holder['pid']}`)"
+    return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read(fd: int) -> dict | None:
+    try:
+        raw = os.pread(fd, 1 << 16, 0)
+        return json.loads(raw) if raw.strip() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write(fd: int, record: dict) -> None:
+    data = (json.dumps(record) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

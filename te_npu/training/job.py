@@ -1,0 +1,382 @@
+"""One rank of a training job: how it starts, stops and dies ("fail together").
+
+``run_job(body)`` runs ``body(stop)`` (set up + train) and returns the rank's exit code:
+
+- an exception on any rank is reported once for the whole job, by the first rank that
+  fails (decided through the process group's store): one line for a ``ConfigError``
+  or a stop rule, otherwise one line and that rank's traceback. The other ranks (whose
+  collectives now fail) print nothing and exit with the same code. No barrier runs on the
+  error path: the process group is aborted and the rank leaves with ``os._exit``, so
+  nothing waits for a peer that is gone; torchrun then stops the rest.
+- SIGINT stops at once (nothing half-saved: checkpoint saves are atomic), SIGTERM too unless
+  the trainer takes it gracefully (``checkpoint.save_on_sigterm``: finish the step, save,
+  exit). A rank still alive ``SIGNAL_GRACE_S`` after the signal (blocked in a collective,
+  where Python handlers cannot run) is ended by a watchdog thread, which sees the signal at
+  once through ``signal.set_wakeup_fd``; a second signal ends it immediately.
+- under torchrun a rank exits when its launcher dies (``PR_SET_PDEATHSIG`` on Linux, and
+  the watchdog polls the parent pid), so a killed launcher leaves no orphan training on.
+
+Exit codes: 0 done, 1 error, 2 configuration error (before anything was built), 3 stopped
+by a divergence rule, 128 + signal number when interrupted.
+
+This module owns the job's environment reads (``launch_env``) and its only private torch
+touch (``_job_store``).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.distributed as dist
+
+from te_npu.errors import ConfigError
+from te_npu.training.divergence import TrainingDiverged
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_ERROR",
+    "EXIT_CONFIG",
+    "EXIT_DIVERGED",
+    "SIGNAL_GRACE_S",
+    "JobInterrupted",
+    "LaunchEnv",
+    "StopRequest",
+    "exit_code_for",
+    "launch_env",
+    "root_cause",
+    "run_job",
+]
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_DIVERGED = 0, 1, 2, 3
+SIGNAL_GRACE_S = 10.0
+"""Seconds a rank may take to stop after SIGINT / SIGTERM before the watchdog ends it."""
+REPEAT_SIGNAL_S = 2.0
+"""A signal this long after the first one ends the rank at once ("press Ctrl-C again");
+sooner, it is the same stop (torchrun forwards SIGINT, then SIGTERM, within milliseconds)."""
+ERROR_PATH_DEADLINE_S = 10.0
+"""Seconds the error path (report, abort) may take before the watchdog ends the rank."""
+_PR_SET_PDEATHSIG = 1
+_FAILURE_KEY = "te_npu/job_failure"
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process (torchrun's variables; defaults for one process)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    under_torchrun: bool
+
+
+def launch_env() -> LaunchEnv:
+    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID``."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    return LaunchEnv(
+        rank=int(env.get("RANK", "0")),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        world_size=world,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+        under_torchrun="TORCHELASTIC_RUN_ID" in env,
+    )
+
+
+class JobInterrupted(BaseException):
+    """SIGINT / SIGTERM arrived (a ``BaseException``, like ``KeyboardInterrupt``).
+
+    ``args`` is ``(signum,)`` so the exception pickles: DCP gathers a rank's exception to its
+    coordinator and re-raises it wrapped in a ``CheckpointException`` on every rank.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(int(signum))
+        self.signum = int(signum)
+
+    def __str__(self) -> str:
+        return f"interrupted by {signal.Signals(self.signum).name}"
+
+
+class StopRequest:
+    """Shared between the signal handler and the trainer's step loop.
+
+    The trainer sets ``graceful`` when it will save on SIGTERM; the handler then sets
+    ``signum`` instead of raising, and the trainer stops at the next step boundary (the
+    flag is combined over ranks with the step's loss, so every rank stops at the same step).
+    """
+
+    def __init__(self) -> None:
+        self.graceful = False
+        self.signum: int | None = None
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """``exc``, or the interruption / config error a DCP ``CheckpointException`` carries from a rank."""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, (JobInterrupted, KeyboardInterrupt, ConfigError, TrainingDiverged)):
+                return inner
+    return exc
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code of a rank that ended with ``exc`` (see the module doc)."""
+    exc = root_cause(exc)
+    if isinstance(exc, ConfigError):
+        return EXIT_CONFIG
+    if isinstance(exc, TrainingDiverged):
+        return EXIT_DIVERGED
+    if isinstance(exc, JobInterrupted):
+        return 128 + exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    return EXIT_ERROR
+
+
+def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
+    """Run ``body(stop)`` as one rank of a job; return its exit code, or leave the process with
+    ``os._exit`` when a multi-rank job fails (see the module doc)."""
+    stderr = stderr or sys.stderr
+    env = launch_env()
+    stop = StopRequest()
+    guard = _SignalGuard(stop, env, stderr)
+    guard.install()
+    try:
+        body(stop)
+    except BaseException as exc:  # noqa: BLE001 - every way out of a rank goes through here
+        guard.failing = True
+        exc = root_cause(exc)
+        code = exit_code_for(exc)
+        guard.watchdog.arm(ERROR_PATH_DEADLINE_S, code, "the error path did not finish")
+        multi_rank = dist.is_initialized() and dist.get_world_size() > 1
+        code = _report(exc, code, env, stderr, multi_rank)
+        if multi_rank:
+            _abort_process_group()
+            _flush(stderr)
+            os._exit(code)
+        return code
+    finally:
+        guard.uninstall()
+    if stop.signum is not None:
+        return 128 + stop.signum
+    return EXIT_OK
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+
+def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: bool) -> int:
+    """Print ``exc`` if this rank is the job's first failure; return the job's exit code."""
+    rank = dist.get_rank() if dist.is_initialized() else env.rank
+    if multi_rank:
+        first, code = _claim_first_failure(rank, code)
+        if first is False:
+            return code  # a peer failed first and reported; our error is the consequence
+        if first is None:  # the store is gone: say it in one line, without a traceback
+            print(f"[rank {rank}] {type(exc).__name__}: {_first_line(exc)}", file=stderr, flush=True)
+            return code
+    elif env.local_rank != 0 and isinstance(exc, ConfigError):
+        return code  # before the process group: every rank checks the same things; one line per node
+    where = f"[rank {rank}/{env.world_size}] " if env.world_size > 1 else ""
+    if isinstance(exc, ConfigError):
+        print(f"ConfigError: {exc}", file=stderr, flush=True)
+    elif isinstance(exc, TrainingDiverged):
+        print(f"{where}training stopped (diverged): {exc}", file=stderr, flush=True)
+    elif isinstance(exc, (JobInterrupted, KeyboardInterrupt)):
+        print(f"{where}{exc or 'interrupted by SIGINT'}; stopped without saving (the last complete "
+              "checkpoint and 'latest' are untouched)", file=stderr, flush=True)
+    elif isinstance(exc, SystemExit):
+        pass  # argparse and friends have printed their message already
+    else:
+        print(f"{where}failed: {type(exc).__name__}: {_first_line(exc)}", file=stderr)
+        traceback.print_exception(exc, file=stderr)
+        if multi_rank:
+            print(f"{where}stopping every rank (exit code {code})", file=stderr)
+        _flush(stderr)
+    return code
+
+
+def _claim_first_failure(rank: int, code: int) -> tuple[bool | None, int]:
+    """``(True, code)`` if this rank failed first, ``(False, first's code)`` if a peer did,
+    ``(None, code)`` if the store cannot be reached."""
+    try:
+        store = _job_store()
+        mine = f"{rank}:{code}"
+        current = store.compare_set(_FAILURE_KEY, "", mine).decode()
+    except Exception:  # noqa: BLE001 - the store's host may be the rank that died
+        return None, code
+    first_rank, _, first_code = current.partition(":")
+    return (current == mine), int(first_code or code)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)
+
+
+def _flush(stream) -> None:
+    for s in (sys.stdout, stream):
+        try:
+            s.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ---- private torch touches (issue 13 moves these into the compat module) -----------------------
+
+
+def _job_store():
+    """The default process group's store (torchrun's agent store or the init_method's)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _abort_process_group() -> None:
+    """Abort the default process group's communicators without a barrier (bounded by the watchdog)."""
+    try:
+        dist.group.WORLD.abort()
+    except Exception:  # noqa: BLE001 - best effort: os._exit follows
+        pass
+
+
+# ---- signals, parent death, watchdog -----------------------------------------------------------
+
+
+class _SignalGuard:
+    """SIGINT / SIGTERM handlers plus the watchdog thread; installed only from the main thread."""
+
+    def __init__(self, stop: StopRequest, env: LaunchEnv, stderr) -> None:
+        self.stop, self.env, self.stderr = stop, env, stderr
+        self.failing = False
+        self.parent = os.getppid()
+        self.watchdog = _Watchdog(self)
+        self._previous: dict[int, object] = {}
+        self._wakeup_previous = -1
+        self._installed = False
+
+    def parent_died(self) -> bool:
+        return self.env.under_torchrun and os.getppid() != self.parent
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        self._wakeup_previous = signal.set_wakeup_fd(self.watchdog.wakeup_fd, warn_on_full_buffer=False)
+        if self.env.under_torchrun:
+            _set_parent_death_signal(signal.SIGTERM)
+        self.watchdog.start()
+        self._installed = True
+
+    def uninstall(self) -> None:
+        if not self._installed:
+            return
+        signal.set_wakeup_fd(self._wakeup_previous)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self.watchdog.stop()
+        self.watchdog.join(timeout=2.0)
+        self._installed = False
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.failing or self.parent_died():
+            return  # the error path / the watchdog is already ending this rank
+        if signum == signal.SIGTERM and self.stop.graceful and self.stop.signum is None:
+            self.stop.signum = signum
+            print(f"[rank {self.env.rank}] SIGTERM: saving a checkpoint after this step, then exiting",
+                  file=self.stderr, flush=True)
+            return
+        raise JobInterrupted(signum)
+
+
+class _Watchdog(threading.Thread):
+    """Sees signals as they arrive (wakeup fd) and ends the rank when it overstays a deadline or
+    its launcher is gone; every exit here is ``os._exit`` (the main thread may be stuck)."""
+
+    def __init__(self, guard: _SignalGuard) -> None:
+        super().__init__(name="te_npu-job-watchdog", daemon=True)
+        self.guard = guard
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(False)
+        self._write.setblocking(False)
+        self.wakeup_fd = self._write.fileno()
+        self._deadline: tuple[float, int, str] | None = None
+        self._first_signal: float | None = None
+        self._stopped = threading.Event()
+
+    def arm(self, seconds: float, code: int, why: str) -> None:
+        """End the process with ``code`` if it is still alive in ``seconds`` (earliest deadline wins)."""
+        deadline = time.monotonic() + seconds
+        if self._deadline is None or deadline < self._deadline[0]:
+            self._deadline = (deadline, code, why)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        try:
+            self._write.send(b"\0")  # wake the select (0 is no signal)
+        except OSError:
+            pass
+
+    def run(self) -> None:
+        while not self._stopped.is_set():
+            ready, _, _ = select.select([self._read], [], [], 0.5)
+            if ready:
+                try:
+                    data = self._read.recv(64)
+                except BlockingIOError:
+                    data = b""
+                for signum in data:
+                    self._on_signal(signum)
+            if self.guard.parent_died():
+                self._exit(EXIT_ERROR, f"launcher (pid {self.guard.parent}) died; exiting")
+            if self._deadline is not None and time.monotonic() > self._deadline[0]:
+                _, code, why = self._deadline
+                self._exit(code, why)
+        self._read.close()
+        self._write.close()
+
+    def _on_signal(self, signum: int) -> None:
+        if signum not in (signal.SIGINT, signal.SIGTERM) or self._stopped.is_set():
+            return
+        name = signal.Signals(signum).name
+        if self.guard.parent_died():
+            self._exit(EXIT_ERROR, f"launcher (pid {self.guard.parent}) died; exiting")
+        now = time.monotonic()
+        if self._first_signal is not None and now - self._first_signal >= REPEAT_SIGNAL_S:
+            self._exit(128 + signum, f"second signal ({name}); exiting now")
+        self._first_signal = self._first_signal or now
+        if not (signum == signal.SIGTERM and self.guard.stop.graceful):
+            self.arm(SIGNAL_GRACE_S, 128 + signum,
+                     f"still running {SIGNAL_GRACE_S:.0f} s after {name} (blocked in a collective?); exiting now")
+
+    def _exit(self, code: int, why: str) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else self.guard.env.rank
+        try:
+            print(f"[rank {rank}] {why}", file=self.guard.stderr, flush=True)
+            sys.stdout.flush()
+        finally:
+            os._exit(code)
+
+
+def _set_parent_death_signal(signum: int) -> None:
+    """Ask Linux to send ``signum`` when the parent (the launcher) dies; no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # the watchdog's parent-pid poll still covers it

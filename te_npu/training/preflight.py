@@ -1,0 +1,126 @@
+"""Checks that need only the config, the filesystem and the device, run before anything is built.
+
+Each raises ``ConfigError`` naming the config key. The Trainer runs them at the start of
+``setup`` (the data checks live with the data, ``te_npu.training.data.check_token_ids``; the
+checkpoint's own checks with the checkpoint, ``te_npu.distributed.checkpoint``).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from te_npu.distributed import checkpoint
+from te_npu.errors import ConfigError
+
+__all__ = ["check_device", "check_writable", "resume_target", "planned_saves", "check_step_collisions"]
+
+
+def check_device(device_type: str, local_rank: int, local_world_size: int) -> None:
+    """``training.device`` exists here and has a device for every local rank."""
+    if device_type == "cpu":
+        return
+    if device_type == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu; only on the npu path)
+        except Exception as exc:  # noqa: BLE001 - a broken CANN install raises all sorts
+            raise ConfigError(f"training.device: 'npu' needs torch_npu, which does not import here: "
+                              f"{type(exc).__name__}: {exc}") from None
+    backend = getattr(torch, device_type, None)
+    if backend is None or not backend.is_available():
+        raise ConfigError(f"training.device: {device_type!r} is not available on this machine "
+                          f"(torch.{device_type}.is_available() is false); CPU recipes use training.device=cpu")
+    count = backend.device_count()
+    if max(local_rank + 1, local_world_size) > count:
+        raise ConfigError(f"training.device: {local_world_size} ranks on this node need {local_world_size} "
+                          f"{device_type} devices, {count} visible")
+
+
+def check_writable(directory: str, key: str) -> None:
+    """Create ``directory`` if needed and prove a file can be written in it (works for root too)."""
+    probe = os.path.join(directory, f".te_npu_write_test.{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"{key}: {directory!r} is not writable: {exc.strerror or exc}") from None
+
+
+def resume_target(c) -> str | None:
+    """The step directory ``CheckpointConfig`` ``c`` resumes from, or None to start from scratch.
+
+    ``resume: auto`` starts from scratch only in a folder without step directories; with
+    steps but no ``latest`` it refuses (naming the overrides); a ``latest`` naming a missing
+    step is an error naming both; ``load_step`` picks a step explicitly.
+    """
+    if c.resume is False:
+        return None
+    where = f"checkpoint.dir (checkpoint.resume: {str(c.resume).lower()})"
+    if os.path.isfile(c.dir):
+        raise ConfigError(f"{where}: {c.dir!r} is a file; only DCP checkpoint directories are supported")
+    if c.load_step is not None:
+        path = os.path.join(c.dir, f"step_{c.load_step}")
+        if not os.path.isdir(path):
+            raise ConfigError(f"checkpoint.load_step: {path} does not exist; the folder holds "
+                              f"{_names(checkpoint.list_steps(c.dir))}")
+        return _step(path, where)
+    has_marker = os.path.isfile(os.path.join(c.dir, "latest"))
+    if c.resume == "auto" and not has_marker and not checkpoint.list_steps(c.dir) and not _is_step_dir(c.dir):
+        return None  # nothing to resume: a new run
+    if c.resume is True and not os.path.exists(c.dir):
+        raise ConfigError(f"{where}: {c.dir!r} does not exist, so there is nothing to resume")
+    if not has_marker and checkpoint.list_steps(c.dir) and not _is_step_dir(c.dir):
+        steps = checkpoint.list_steps(c.dir)
+        raise ConfigError(
+            f"{where}: {c.dir!r} holds {_names(steps)} but no 'latest' marker; refusing to start from scratch "
+            f"over them: resume one with checkpoint.load_step=N (newest: {steps[-1]}), or start a new run next to "
+            "them with checkpoint.resume=false (its pruning never touches their steps)"
+        )
+    try:
+        return checkpoint.latest_checkpoint(c.dir)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def planned_saves(start: int, train_steps: int, interval: int) -> list[int]:
+    """Steps a run from ``start`` to ``train_steps`` saves: every ``interval`` and the last."""
+    steps = set(range(interval * (start // interval + 1), train_steps, interval)) if interval else set()
+    if train_steps > start:
+        steps.add(train_steps)
+    return sorted(steps)
+
+
+def check_step_collisions(directory: str, steps: list[int], lineage: str | None) -> None:
+    """No step this run will save may replace a step directory of another run (``lineage``)."""
+    foreign = []
+    for step in sorted(set(steps) & set(checkpoint.list_steps(directory))):
+        path = os.path.join(directory, f"step_{step}")
+        try:
+            theirs = checkpoint.step_info(path).get("lineage")
+        except ConfigError:
+            theirs = "unknown"
+        if lineage is None or theirs != lineage:
+            foreign.append(f"step_{step}")
+    if foreign:
+        raise ConfigError(
+            f"checkpoint.dir: {directory!r} already holds {', '.join(foreign[:4])} of another run, which this run "
+            "would overwrite when it saves those steps; use another checkpoint.dir, or resume that run "
+            "(checkpoint.resume=auto)"
+        )
+
+
+def _step(path: str, where: str) -> str:
+    try:
+        return checkpoint.latest_checkpoint(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _is_step_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "te_npu.json"))
+
+
+def _names(steps: list[int]) -> str:
+    return ", ".join(f"step_{s}" for s in steps[-4:]) if steps else "no step_N directory"

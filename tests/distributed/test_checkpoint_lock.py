@@ -1,0 +1,61 @@
+"""The checkpoint folder lock: one job per folder, the holder named, stale locks taken over."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from te_npu import ConfigError
+from te_npu.distributed.checkpoint_lock import LOCK_NAME, acquire_folder_lock
+
+
+def _hold_in_child(directory):
+    """Fork a process that takes the lock and waits; returns (pid, write end that releases it)."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: stdlib only, then leave without running the parent's atexit / pytest
+        try:
+            lock = acquire_folder_lock(directory)
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)
+            lock.release()
+        finally:
+            os._exit(0)
+    os.read(ready_r, 1)
+    return pid, go_w
+
+
+def test_checkpoint_lock_second_job_fails_naming_the_holder(tmp_path):
+    pid, release = _hold_in_child(str(tmp_path))
+    try:
+        with pytest.raises(ConfigError) as info:
+            acquire_folder_lock(str(tmp_path))
+        message = str(info.value)
+        assert message.startswith("checkpoint.dir: ") and "in use by another job" in message
+        assert f"pid {pid}" in message and f"host {socket.gethostname()}" in message and f"kill {pid}" in message
+    finally:
+        os.write(release, b"1")
+        os.waitpid(pid, 0)
+    lock = acquire_folder_lock(str(tmp_path))  # released cleanly: free again, and not stale
+    assert lock.stale_holder is None
+    lock.release()
+    assert "released" in json.loads((tmp_path / LOCK_NAME).read_text())
+
+
+def test_checkpoint_lock_of_a_killed_holder_is_taken_over(tmp_path):
+    # what a SIGKILLed job leaves: the holder record, no "released", and no lock (the kernel dropped it)
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node7", "pid": 4242, "started": "then"}))
+    lock = acquire_folder_lock(str(tmp_path))
+    assert lock.stale_holder == {"host": "node7", "pid": 4242, "started": "then"}
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    lock.release()  # idempotent
+
+
+def test_checkpoint_lock_unwritable_folder_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"checkpoint\.dir: cannot create the lock file"):
+        acquire_folder_lock(str(tmp_path / "file" / "ckpt"))

@@ -1,0 +1,79 @@
+"""``models.deepseek_v3.pretrain`` with one injected fault, for the process-level failure tests.
+
+    python -m te_npu.training.launch ... -m tests.system.faulty_pretrain --config ... [overrides]
+
+``FAULT`` (environment, read here only, never by te_npu) selects the fault:
+
+- ``raise:R:S``: rank R raises ``ValueError`` inside optimizer step S (the others are then
+  waiting for it in a collective);
+- ``slow_save:T:N``: every rank sleeps T seconds in the save of step N, between writing its
+  DCP shards and the manifest (a window in which to signal a save);
+- ``step_marker:PATH``: each rank appends ``<rank> <step> <pid>`` to PATH after each step
+  (so a test knows training is under way, and which process is which rank, before it signals);
+- ``save_marker:PATH``: each rank creates PATH when a save has written its shards (with
+  ``slow_save``: the save is then in its window).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+from models.deepseek_v3 import pretrain
+from te_npu.distributed import checkpoint
+from te_npu.training.trainer import Trainer
+
+
+_marker: list[str] = []
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _install(fault: str) -> None:
+    kind, _, arg = fault.partition(":")
+    if kind == "raise":
+        rank, step = (int(x) for x in arg.split(":"))
+        original = Trainer.optimizer_step
+
+        def failing_step(self):
+            if _rank() == rank and self.global_step + 1 == step:
+                raise ValueError(f"injected fault on rank {rank} at iteration {step}")
+            return original(self)
+
+        Trainer.optimizer_step = failing_step
+    elif kind == "slow_save":
+        seconds, step = float(arg.split(":")[0]), int(arg.split(":")[1])
+        original_hash = checkpoint.hash_files
+
+        def slow_hash(directory, names):
+            if os.path.basename(directory) == f"step_{step}.tmp":
+                if _marker:
+                    open(_marker[0], "a").close()
+                time.sleep(seconds)
+            return original_hash(directory, names)
+
+        checkpoint.hash_files = slow_hash
+    elif kind == "save_marker":
+        _marker.append(arg)
+    elif kind == "step_marker":
+        original_train_step = Trainer.train_step
+
+        def marked(self, *args, **kwargs):
+            record = original_train_step(self, *args, **kwargs)
+            with open(arg, "a") as f:
+                f.write(f"{_rank()} {record.step} {os.getpid()}\n")
+            return record
+
+        Trainer.train_step = marked
+    elif kind:
+        raise SystemExit(f"faulty_pretrain: unknown FAULT {fault!r}")
+
+
+if __name__ == "__main__":
+    for item in filter(None, os.environ.get("FAULT", "").split(",")):
+        _install(item)
+    sys.exit(pretrain.main())

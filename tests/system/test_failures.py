@@ -1,0 +1,284 @@
+"""Issue 15 through the real launcher: failures are loud, fast and lose nothing.
+
+Each test starts ``python -m te_npu.training.launch`` (torchrun) on 2 CPU ranks with the tiny
+recipe shrunk to 2 layers and seq 64, optionally with one injected fault
+(``tests/system/faulty_pretrain.py``), and checks exit codes, what is printed, which processes
+are left and what the checkpoint folder holds. A ``wait`` that times out means a hang.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from te_npu.distributed import checkpoint
+from tests.distributed.harness import _free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "dsv3_tiny_mxfp8.yaml"
+SMALL = ["model.overrides={num_hidden_layers: 2, n_shared_experts: 2}", "training.seq_len=64",
+         "training.eval_interval=0", "logging.plot=false", "training.warmup_steps=2"]
+HANG = 120  # seconds after which a job that should have ended counts as hung
+
+
+class Job:
+    """One launched job; ``markers`` holds ``rank step pid`` lines written after each step."""
+
+    def __init__(self, workdir: Path, *overrides: str, fault: str = "", nproc: int = 2, ckpt: Path | None = None,
+                 module: str = "tests.system.faulty_pretrain"):
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.ckpt = ckpt or workdir / "ckpt"
+        self.markers = workdir / "steps.txt"
+        self.log = workdir / "out.txt"
+        faults = ",".join(filter(None, [f"step_marker:{self.markers}", fault]))
+        env = dict(os.environ, FAULT=faults, TE_NPU_QUANT_KERNEL="eager", OMP_NUM_THREADS="1",
+                   PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        cmd = [sys.executable, "-m", "te_npu.training.launch", "--nproc_per_node", str(nproc),
+               "--master_port", str(_free_port()), "-m", module, "--config", str(RECIPE), *SMALL,
+               f"logging.dir={workdir / 'logs'}", f"checkpoint.dir={self.ckpt}", *overrides]
+        self.started = time.monotonic()
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait(self, timeout: float = HANG) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"job hung for {timeout} s:\n{self.output()}") from None
+
+    def kill(self) -> None:
+        for pid in self.worker_pids().values():
+            _signal(pid, signal.SIGKILL)
+        _signal(-self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def steps_done(self) -> int:
+        """The last step every rank has finished."""
+        fields = self.markers.read_text().split() if self.markers.exists() else []
+        last: dict[str, int] = {}
+        for rank, step in zip(fields[0::3], fields[1::3]):
+            last[rank] = max(last.get(rank, 0), int(step))
+        return min(last.values()) if len(last) == 2 else 0
+
+    def worker_pids(self) -> dict[int, int]:
+        if not self.markers.exists():
+            return {}
+        fields = self.markers.read_text().split()
+        return {int(r): int(p) for r, p in zip(fields[0::3], fields[2::3])}
+
+    def wait_for(self, condition, what: str, timeout: float = HANG) -> None:
+        end = time.monotonic() + timeout
+        while not condition():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job ended ({self.proc.returncode}) before {what}:\n{self.output()}")
+            if time.monotonic() > end:
+                self.kill()
+                raise AssertionError(f"timed out waiting for {what}:\n{self.output()}")
+            time.sleep(0.2)
+
+    def wait_steps(self, n: int) -> dict[int, int]:
+        self.wait_for(lambda: len(self.worker_pids()) == 2 and self.steps_done() >= n, f"{n} steps")
+        return self.worker_pids()
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < end, f"processes {[p for p in pids if _alive(p)]} still alive after {timeout} s"
+        time.sleep(0.2)
+
+
+def _latest_verified(directory: Path) -> str:
+    path = checkpoint.latest_checkpoint(directory)
+    checkpoint.verify_step(path)
+    return os.path.basename(path)
+
+
+# ---- 1. one failing rank: one report, every rank out ----------------------------------------------
+
+
+def test_failure_on_one_rank_is_reported_once_and_stops_every_rank(tmp_path):
+    job = Job(tmp_path, "training.train_steps=50", fault="raise:1:3")
+    assert job.wait() == 1
+    out = job.output()
+    assert out.count("injected fault on rank 1 at iteration 3") == 2  # the report's first line + traceback's last
+    assert out.count("Traceback") == 1 and "[rank 1/2] failed: ValueError" in out
+    assert "Connection closed" not in out  # the peer's secondary error stays silent
+    _wait_gone(job.worker_pids().values())
+
+
+# ---- 2. signals ---------------------------------------------------------------------------------------
+
+
+def test_sigint_to_the_launcher_stops_every_rank_and_keeps_latest(tmp_path):
+    job = Job(tmp_path, "training.train_steps=200", "checkpoint.interval=1", "checkpoint.keep_last=2")
+    pids = job.wait_steps(3)
+    os.kill(job.proc.pid, signal.SIGINT)
+    assert job.wait() == 128 + signal.SIGINT
+    _wait_gone(pids.values(), timeout=5)
+    out = job.output()
+    assert out.count("interrupted by SIGINT; stopped without saving") == 1, out
+    assert int(_latest_verified(job.ckpt).removeprefix("step_")) >= 2
+
+
+def test_sigint_to_one_rank_stops_the_job(tmp_path):
+    job = Job(tmp_path, "training.train_steps=200", "checkpoint.interval=2")
+    pids = job.wait_steps(3)
+    os.kill(pids[1], signal.SIGINT)
+    assert job.wait() == 128 + signal.SIGINT
+    _wait_gone(pids.values(), timeout=5)
+    assert "[rank 1/2] interrupted by SIGINT" in job.output()
+
+
+def test_sigint_during_a_save_leaves_the_previous_latest(tmp_path):
+    saving = tmp_path / "saving"
+    job = Job(tmp_path, "training.train_steps=200", "checkpoint.interval=2",
+              fault=f"save_marker:{saving},slow_save:60:4")
+    job.wait_for(saving.exists, "the save of step 4")
+    os.kill(job.proc.pid, signal.SIGINT)
+    assert job.wait() == 128 + signal.SIGINT
+    assert _latest_verified(job.ckpt) == "step_2"
+    assert (job.ckpt / "step_4.tmp").is_dir() and not (job.ckpt / "step_4").exists()
+
+
+def test_sigterm_with_save_on_sigterm_saves_then_exits(tmp_path):
+    job = Job(tmp_path, "training.train_steps=200", "checkpoint.interval=0", "checkpoint.save_on_sigterm=true")
+    job.wait_steps(3)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait() == 128 + signal.SIGTERM
+    out = job.output()
+    step = int(_latest_verified(job.ckpt).removeprefix("step_"))
+    assert step >= 3 and f"stopped on SIGTERM after iteration {step} (checkpoint saved)" in out, out
+
+
+# ---- 3. orphans and the folder lock -------------------------------------------------------------------
+
+
+def test_killed_launcher_leaves_no_orphans_and_the_lock_guards_the_folder(tmp_path):
+    first = Job(tmp_path / "a", "training.train_steps=400", "checkpoint.interval=2")
+    pids = first.wait_steps(3)
+    second = Job(tmp_path / "b", "training.train_steps=400", ckpt=first.ckpt)  # same folder, while it runs
+    assert second.wait() == 2
+    out = second.output()
+    assert "is in use by another job" in out and f"pid {pids[0]}" in out and "Traceback" not in out
+    os.killpg(first.proc.pid, signal.SIGKILL)  # the launcher's whole group: the ranks are in their own sessions
+    first.proc.wait()
+    _wait_gone(pids.values(), timeout=10)
+    saved = int(checkpoint.latest_checkpoint(first.ckpt).rsplit("_", 1)[1])
+    third = Job(tmp_path / "c", f"training.train_steps={saved + 2}", "checkpoint.resume=auto", ckpt=first.ckpt)
+    assert third.wait() == 0, third.output()
+    out = third.output()
+    assert f"resumed from checkpoint at iteration {saved}" in out  # the folder is free again once they are gone
+
+
+# ---- 4. a diverged run --------------------------------------------------------------------------------
+
+
+def test_diverged_run_stops_nonzero_and_keeps_the_good_checkpoints(tmp_path):
+    good = Job(tmp_path / "good", "training.train_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=2")
+    assert good.wait() == 0
+    bad = Job(tmp_path / "bad", "training.train_steps=30", "checkpoint.interval=2", "checkpoint.keep_last=2",
+              "checkpoint.resume=auto", "training.lr=1e4", "training.warmup_steps=0", ckpt=good.ckpt)
+    assert bad.wait() == 3
+    out = bad.output()
+    assert out.count("training stopped (diverged)") == 1 and "nothing saved, no checkpoint pruned" in out
+    assert (good.ckpt / "step_4").is_dir()  # the last good checkpoint survives (keep_last=2)
+
+
+# ---- 5. configuration and data errors: one line, exit 2 -----------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["yaml_syntax", "empty_file", "bad_token_ids"])
+def test_config_errors_through_the_launcher_script_are_one_line(tmp_path, case):
+    import numpy as np
+
+    from te_npu.training.data import write_token_file
+
+    recipe, extra = RECIPE, []
+    if case == "yaml_syntax":
+        recipe = tmp_path / "bad.yaml"
+        recipe.write_text(RECIPE.read_text().replace("  lr: 3.0e-3", "  lr: [3.0e-3"))
+    elif case == "empty_file":
+        recipe = tmp_path / "empty.yaml"
+        recipe.write_text("")
+    else:
+        ids = np.random.default_rng(0).integers(1, 256, size=200_000)
+        write_token_file(tmp_path / "bad", [("d", b"", ids)], vocab_size=256, tokenizer={}, eos_token_id=None,
+                         split="train")
+        tokens = np.memmap(tmp_path / "bad.bin", dtype=np.uint16, mode="r+")
+        tokens[5000:5010] = 40000
+        tokens.flush()
+        extra = ["data.kind=bin", f"data.path={tmp_path / 'bad'}", "data.shuffle=false"]
+    env = dict(os.environ, RECIPE=str(recipe), MASTER_PORT=str(_free_port()), TE_NPU_QUANT_KERNEL="eager")
+    done = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", *SMALL, f"logging.dir={tmp_path / 'logs'}",
+                           f"checkpoint.dir={tmp_path / 'ckpt'}", *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=HANG)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    errors = [line for line in lines if "Error" in line]
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("ConfigError: "), lines
+    assert "Traceback" not in done.stderr and len(lines) == 1, lines
+    if case == "bad_token_ids":
+        assert "token id 40000 at token offset 5000" in errors[0]
+
+
+# ---- 6. a 2-rank checkpoint resumes on 1 rank ------------------------------------------------------------
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
+    two = Job(tmp_path / "two", "training.train_steps=4", "checkpoint.interval=2")
+    assert two.wait() == 0
+    one = Job(tmp_path / "one", "training.train_steps=6", "checkpoint.resume=auto", "fsdp_config.dp_shard_size=1",
+              nproc=1, ckpt=two.ckpt)
+    assert one.wait() == 0, one.output()
+    out = one.output()
+    assert "resumed from checkpoint at iteration 4" in out and "consumed samples 32)" in out
+    assert "consumed samples:           36" in out  # 1 rank x micro batch 4 after the 32 of the 2-rank run
+
+
+# ---- 7. a rank blocked outside Python still leaves after a signal ---------------------------------------
+
+
+def test_watchdog_ends_a_rank_blocked_in_a_collective(tmp_path):
+    code = (
+        "import datetime, os, signal, threading, time\n"
+        "import torch.distributed as dist\n"
+        "from te_npu.training import job\n"
+        "job.SIGNAL_GRACE_S = 1.0\n"
+        "def body(stop):\n"
+        "    store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=60))\n"
+        "    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+        "    store.wait(['never'])  # blocks in C++: the Python handler cannot run\n"
+        "raise SystemExit(job.run_job(body))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG)
+    # 143 from the watchdog (the store's own 60 s timeout would raise instead: exit code 1)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert "still running 1 s after SIGTERM" in done.stderr

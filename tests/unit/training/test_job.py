@@ -1,0 +1,91 @@
+"""run_job in one process: exit codes, one report per failure, signals, handlers restored."""
+import os
+import signal
+
+import pytest
+
+from te_npu import ConfigError
+from te_npu.training.divergence import TrainingDiverged
+from te_npu.training.job import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, run_job
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _raise(exc):
+    def body(stop):
+        raise exc
+
+    return body
+
+
+def test_job_config_error_is_one_line_exit_2(capsys):
+    assert run_job(_raise(ConfigError("training.lr: 0 is out of range"))) == EXIT_CONFIG
+    assert capsys.readouterr().err == "ConfigError: training.lr: 0 is out of range\n"
+
+
+def test_job_config_error_before_the_process_group_prints_once_per_node(capsys, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")  # every rank makes the same checks: local rank 0 speaks
+    assert run_job(_raise(ConfigError("data.path: missing"))) == EXIT_CONFIG
+    assert capsys.readouterr().err == ""
+
+
+def test_job_divergence_is_one_line_exit_3(capsys):
+    assert run_job(_raise(TrainingDiverged("iteration 7: training loss is nan"))) == EXIT_DIVERGED
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "training stopped (diverged): iteration 7" in err
+
+
+def test_job_error_prints_one_traceback_exit_1(capsys):
+    assert run_job(_raise(ValueError("bad batch"))) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("failed: ValueError: bad batch\n") and err.count("Traceback") == 1
+
+
+def test_job_sigint_stops_with_130_and_restores_handlers(capsys):
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    reached = []
+
+    def body(stop):
+        os.kill(os.getpid(), signal.SIGINT)
+        reached.append("after")  # the handler raises before this line
+
+    assert run_job(body) == 128 + signal.SIGINT
+    assert reached == []
+    assert "interrupted by SIGINT; stopped without saving" in capsys.readouterr().err
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_job_graceful_sigterm_reaches_the_step_loop():
+    seen = []
+
+    def body(stop):
+        stop.graceful = True  # what the Trainer sets with checkpoint.save_on_sigterm
+        os.kill(os.getpid(), signal.SIGTERM)
+        seen.append(stop.signum)  # the loop would save here, then return
+
+    assert run_job(body) == 128 + signal.SIGTERM
+    assert seen == [signal.SIGTERM]
+
+
+def test_job_success_is_0():
+    assert run_job(lambda stop: None) == EXIT_OK
+
+
+def test_job_interruption_inside_dcp_keeps_its_exit_code(capsys):
+    # DCP gathers a rank's exception (pickled) and re-raises it as a CheckpointException on every rank
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.utils import _wrap_exception
+
+    from te_npu.training.job import JobInterrupted
+
+    interrupted = pickle.loads(pickle.dumps(JobInterrupted(signal.SIGINT)))
+    assert interrupted.signum == signal.SIGINT and str(interrupted) == "interrupted by SIGINT"
+    wrapped = CheckpointException("write", {1: _wrap_exception(interrupted)})
+    assert run_job(_raise(wrapped)) == 128 + signal.SIGINT
+    assert "interrupted by SIGINT; stopped without saving" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""Checks before the build: device, writable folders, which step to resume, save collisions."""
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from te_npu import ConfigError
+from te_npu.training import preflight
+
+
+def _ckpt(directory, resume="auto", load_step=None):
+    return SimpleNamespace(dir=str(directory), resume=resume, load_step=load_step)
+
+
+def _fake_step(directory, step, lineage="run"):
+    path = directory / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "te_npu.json").write_text(json.dumps({"step": step, "world_size": 1, "lineage": lineage}))
+    (path / ".metadata").write_bytes(b"")
+    return path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is absent")
+def test_preflight_cuda_without_cuda_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"training\.device: 'cuda' is not available"):
+        preflight.check_device("cuda", 0, 1)
+    preflight.check_device("cpu", 0, 8)
+
+
+def test_preflight_unwritable_dir_names_the_key(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"logging\.dir: .* is not writable"):
+        preflight.check_writable(str(tmp_path / "file" / "logs"), "logging.dir")
+    preflight.check_writable(str(tmp_path / "logs"), "logging.dir")
+    assert os.listdir(tmp_path / "logs") == []  # the probe file is gone
+
+
+def test_preflight_resume_auto_empty_folder_starts_fresh(tmp_path):
+    assert preflight.resume_target(_ckpt(tmp_path / "none")) is None
+    assert preflight.resume_target(_ckpt(tmp_path, resume=False)) is None
+
+
+def test_preflight_resume_auto_refuses_steps_without_latest(tmp_path):
+    _fake_step(tmp_path, 18)
+    _fake_step(tmp_path, 20)
+    with pytest.raises(ConfigError) as info:
+        preflight.resume_target(_ckpt(tmp_path))
+    message = str(info.value)
+    assert "step_18, step_20 but no 'latest' marker" in message
+    assert "checkpoint.load_step=N (newest: 20)" in message and "checkpoint.resume=false" in message
+    assert preflight.resume_target(_ckpt(tmp_path, load_step=18)).endswith("step_18")
+    with pytest.raises(ConfigError, match=r"checkpoint\.load_step: .*step_7 does not exist"):
+        preflight.resume_target(_ckpt(tmp_path, load_step=7))
+
+
+def test_preflight_latest_marker_is_followed(tmp_path):
+    _fake_step(tmp_path, 4)
+    (tmp_path / "latest").write_text("step_4")
+    assert preflight.resume_target(_ckpt(tmp_path, resume=True)).endswith("step_4")
+    (tmp_path / "latest").write_text("step_6")
+    with pytest.raises(ConfigError, match=r"latest names 'step_6', but .*step_6 does not exist"):
+        preflight.resume_target(_ckpt(tmp_path))
+
+
+def test_preflight_planned_saves():
+    assert preflight.planned_saves(0, 10, 4) == [4, 8, 10]
+    assert preflight.planned_saves(8, 10, 4) == [10]
+    assert preflight.planned_saves(0, 5, 0) == [5]
+    assert preflight.planned_saves(10, 10, 4) == []
+
+
+def test_preflight_collisions_with_another_runs_steps(tmp_path):
+    _fake_step(tmp_path, 4, lineage="old")
+    preflight.check_step_collisions(str(tmp_path), [2, 6], None)
+    preflight.check_step_collisions(str(tmp_path), [4], "old")  # resuming that run: its own step
+    with pytest.raises(ConfigError, match=r"already holds step_4 of another run"):
+        preflight.check_step_collisions(str(tmp_path), [2, 4], None)
