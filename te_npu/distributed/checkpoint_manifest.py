@@ -31,6 +31,7 @@ __all__ = [
     "read_manifest",
     "verify_files",
     "write_manifest",
+    "adopt_step",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -85,7 +86,10 @@ def read_manifest(directory: str) -> dict[str, dict]:
         with open(path) as f:
             record = json.load(f)
     except FileNotFoundError:
-        raise ManifestError(f"{path} is missing (an interrupted save, or not written by te_npu)") from None
+        raise ManifestError(
+            f"{path} is missing (an interrupted save, or a step saved before te_npu wrote manifests; for the "
+            f"latter, if you trust its files: python -m te_npu.distributed.checkpoint_manifest adopt {directory})"
+        ) from None
     except (OSError, ValueError) as exc:
         raise ManifestError(f"{path} is unreadable: {exc}") from None
     if not isinstance(record, dict) or record.get("format") != _FORMAT or not isinstance(record.get("files"), dict):
@@ -130,3 +134,40 @@ def fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def adopt_step(directory: str) -> int:
+    """Write a manifest for a complete step saved before te_npu wrote manifests (its
+    ``te_npu.json`` names the step); returns the number of files listed. The files are taken as
+    they are: run it only on a step you trust. Refuses a step that has a manifest already."""
+    if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+        raise ManifestError(f"{directory} already has a {MANIFEST_NAME}")
+    try:
+        with open(os.path.join(directory, "te_npu.json")) as f:
+            step = int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ManifestError(f"{directory} is not a te_npu step directory (te_npu.json: {exc})") from None
+    names = [n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n))]
+    write_manifest(directory, step, hash_files(directory, names))
+    return len(names)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m te_npu.distributed.checkpoint_manifest",
+                                     description="Adopt a step saved before te_npu wrote manifests.")
+    parser.add_argument("command", choices=["adopt"])
+    parser.add_argument("step_dir", help="e.g. runs/x/checkpoints/step_100")
+    args = parser.parse_args(argv)
+    try:
+        count = adopt_step(args.step_dir)
+    except ManifestError as exc:
+        print(f"checkpoint_manifest: {exc}")
+        return 2
+    print(f"checkpoint_manifest: wrote {os.path.join(args.step_dir, MANIFEST_NAME)} ({count} files)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -227,3 +227,17 @@ def test_checkpoint_latest_naming_a_missing_step_names_both(tmp_path):
     (tmp_path / "latest").write_text("step_9")
     with pytest.raises(ConfigError, match=r"latest names 'step_9', but .*step_9 does not exist.*step_2"):
         checkpoint.latest_checkpoint(tmp_path)
+
+
+def test_checkpoint_step_without_manifest_is_refused_until_adopted(tmp_path):
+    from te_npu.distributed import checkpoint_manifest
+
+    step2 = _save(tmp_path, 2, lineage="run")
+    os.remove(os.path.join(step2, "manifest.json"))  # as a step saved before manifests existed
+    model, opt = _setup("mxfp8", 1)
+    with pytest.raises(ConfigError, match="checkpoint_manifest adopt"):
+        checkpoint.load(tmp_path, model, opt)
+    assert checkpoint_manifest._main(["adopt", step2]) == 0
+    assert checkpoint_manifest._main(["adopt", step2]) == 2  # never overwrites a manifest
+    step, extra = checkpoint.load(tmp_path, model, opt)
+    assert (step, extra) == (2, {"step": 2})
