@@ -168,3 +168,45 @@ def test_te_linear_is_first_microbatch_false_sees_metadata_changes(recipe):
     twin = copy.deepcopy(lin)
     with te_npu.autocast(recipe=recipe):
         assert torch.equal(twin(x, is_first_microbatch=False), lin(x))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_te_linear_fresh_across_fsdp2_resharding_and_optimizer_steps(recipe):
+    """FSDP2 (gloo, one rank, reshard_after_forward) frees and re-gathers the unsharded weight
+    around every forward; with optimizer steps in between, every forward (default, and
+    is_first_microbatch True / False within a step) equals an unsharded module's."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    gen = torch.Generator().manual_seed(2)
+    torch.manual_seed(0)
+    sharded, reference = te_npu.TELinear(64, 96, params_dtype=torch.float32), None
+    reference = copy.deepcopy(sharded)
+    xs = [torch.randn(32, 64, generator=gen) for _ in range(3)]
+    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        fully_shard(sharded, reshard_after_forward=True)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (sharded, reference)]
+        for step in range(3):
+            for micro, x in enumerate(xs):
+                flag = None if step == 0 else micro == 0
+                with te_npu.autocast(recipe=recipe):
+                    got = sharded(x, is_first_microbatch=flag)
+                    want = reference(x)  # default: quantized from the current values
+                assert torch.equal(got, want), (step, micro)
+                got.sum().backward()
+                want.sum().backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        dist.destroy_process_group()
