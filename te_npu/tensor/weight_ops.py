@@ -20,8 +20,8 @@ convert         ``.to(dtype)`` / ``.float()`` / ``.bfloat16()``: ``dequantize(dt
 Re-quantizing after every update loses updates smaller than half an 8-bit step (and MXFP8's
 col copy is re-quantized from the row copy's values); hence the warning: train quantized
 weights with ``te_npu.distributed.MasterWeightOptimizer`` (FP32 master, one refresh per step).
-Under FSDP2 an in-place update re-quantizes each rank's shard alone (HiF8 dense: its own
-scale), which the FSDP2 extension then refuses to gather: use ``MasterWeightOptimizer`` there.
+Under FSDP2 (not tested) an in-place update would re-quantize each rank's shard alone; for a
+dense HiF8 weight that gives per-rank scales, which the FSDP2 extension refuses to gather.
 """
 from __future__ import annotations
 
