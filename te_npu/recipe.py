@@ -7,25 +7,42 @@ an immutable quantizer (spec sections 7.1 and 13.3). Two recipes exist:
 - ``HiF8CurrentScalingRecipe``: HiFloat8 data, FP32 scale = amax / format_max of the
   current tensor (15.0 for inputs and weights, 224.0 for gradients). Not configurable: a
   different contract would be a new recipe, never a different meaning of this one.
+
+Transformer Engine's names (``transformer_engine.common.recipe``) are spelled here too, so a
+TE user's ``recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3)`` works: ``Format`` in
+this module is TE's element-format enum (``te_npu.Format`` / ``te_npu.formats.Format`` name
+te_npu's two training formats), ``MXFP8BlockScaling`` checks TE's fields and returns the
+equivalent ``MXFP8BlockRecipe``, and TE recipes with no A5 counterpart raise ``ConfigError``
+with the reason when called. ``check_recipe`` is the one type check every entry point
+(``autocast``, ``quantized_model_init``) runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
 from te_npu.errors import ConfigError
-from te_npu.formats import Format, QuantizationRole
+from te_npu.formats import Format as TrainingFormat
+from te_npu.formats import QuantizationRole
 from te_npu.numerics.constants import HIF8_GRAD_MAX, HIF8_INPUT_MAX, MX_BLOCK_SIZE
 from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer, Quantizer
 
 __all__ = [
-    "Format",
     "QuantizationRole",
     "MXFP8BlockRecipe",
     "HiF8CurrentScalingRecipe",
     "Recipe",
+    "check_recipe",
     "recipe_from_config",
+    # Transformer Engine's spellings
+    "Format",
+    "MXFP8BlockScaling",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "NVFP4BlockScaling",
 ]
 
 _GRADIENT_ROLES = frozenset({QuantizationRole.GRAD_OUTPUT})
@@ -44,7 +61,7 @@ class MXFP8BlockRecipe:
     block_size: int = MX_BLOCK_SIZE
     scale_dtype: str = "E8M0"
     scale_alg: str = "floor"
-    format: ClassVar[Format] = Format.MXFP8_E4M3
+    format: ClassVar[TrainingFormat] = TrainingFormat.MXFP8_E4M3
 
     def __post_init__(self) -> None:
         _require(self.fp8_format == "E4M3", "fp8_format", self.fp8_format, ["E4M3"])
@@ -73,7 +90,7 @@ class HiF8CurrentScalingRecipe:
     input_max: ClassVar[float] = HIF8_INPUT_MAX
     weight_max: ClassVar[float] = HIF8_INPUT_MAX
     grad_max: ClassVar[float] = HIF8_GRAD_MAX
-    format: ClassVar[Format] = Format.HIF8
+    format: ClassVar[TrainingFormat] = TrainingFormat.HIF8
 
     def quantizer(self, role: QuantizationRole) -> Quantizer:
         """The quantizer for ``role``: max 224.0 for ``grad_output``, 15.0 otherwise."""
@@ -89,6 +106,22 @@ class HiF8CurrentScalingRecipe:
 
 
 Recipe = MXFP8BlockRecipe | HiF8CurrentScalingRecipe
+_RECIPE_TYPES = (MXFP8BlockRecipe, HiF8CurrentScalingRecipe)
+
+
+def check_recipe(recipe: Any, where: str) -> Recipe | None:
+    """``recipe`` itself when it is a te_npu recipe (or None); else ``TypeError`` naming ``where``.
+
+    Run where a recipe enters (``autocast(...)``, ``quantized_model_init(...)``), so a wrong
+    object fails at that line instead of at the first forward of some module.
+    """
+    if recipe is None or isinstance(recipe, _RECIPE_TYPES):
+        return recipe
+    raise TypeError(
+        f"{where}: recipe must be a te_npu recipe (MXFP8BlockRecipe(), HiF8CurrentScalingRecipe(), or "
+        f"te_npu.recipe.MXFP8BlockScaling(...), TE's spelling), got {type(recipe).__module__}."
+        f"{type(recipe).__qualname__}"
+    )
 
 _RECIPES_BY_FORMAT_AND_SCALING = {
     ("mxfp8_e4m3", "mx_block"): MXFP8BlockRecipe,
@@ -134,3 +167,84 @@ def recipe_from_config(config: Mapping[str, Any] | None, *, path: str = "low_pre
 def _require(ok: bool, field: str, value: Any, allowed: list) -> None:
     if not ok:
         raise ConfigError(f"MXFP8BlockRecipe.{field}: {value!r} is not supported; allowed values are {allowed}")
+
+
+# ---- Transformer Engine's spellings -------------------------------------------------------------
+
+
+class Format(str, Enum):
+    """Transformer Engine's element formats (``transformer_engine.common.recipe.Format``).
+
+    Only ``E4M3`` has a te_npu recipe (``MXFP8BlockScaling``); the others are named so that a
+    TE script fails with the reason (see ``MXFP8BlockScaling``) instead of an AttributeError.
+    """
+
+    E2M1 = "E2M1"
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+
+
+# TE field -> (the only accepted value, why nothing else has a meaning here)
+_MXFP8_TE_FIELDS = {
+    "margin": (0, "MX scales are per 32-element block, E8M0 = floor(log2 amax) - 8; there is no "
+                  "delayed-scaling margin to apply"),
+    "fp8_dpa": (False, "te_npu has no FP8 attention (core attention stays high precision)"),
+    "fp8_mha": (False, "te_npu has no FP8 attention (core attention stays high precision)"),
+    "backward_override": (None, "every backward GEMM runs in the recipe's format; there is no "
+                                "high-precision or dequantized backward mode"),
+    "enable_2d_quantization": (False, "MXFP8 weights are 1x32-blocked along each GEMM's reduction dim; "
+                                      "2D weight blocks are not implemented"),
+}
+
+
+def MXFP8BlockScaling(  # noqa: N802 -- TE's class name, kept so TE scripts port unchanged
+    margin: int = 0,
+    fp8_format: Format | str = Format.E4M3,
+    fp8_dpa: bool = False,
+    fp8_mha: bool = False,
+    backward_override: str | None = None,
+    enable_2d_quantization: bool = False,
+) -> MXFP8BlockRecipe:
+    """TE's ``MXFP8BlockScaling(...)``: returns the equivalent ``MXFP8BlockRecipe()``.
+
+    Arguments are TE's, in TE's order. ``fp8_format`` must be ``Format.E4M3`` (or ``"E4M3"``):
+    te_npu's MXFP8 numerics are E4M3 for every tensor, so ``HYBRID`` (E5M2 gradients) is
+    refused. The other fields accept only TE's defaults; any other value raises ``ConfigError``
+    naming the field and why it has no meaning on A5 here.
+    """
+    # te_npu's Format, TE's own Format enum (by member name) or the name as a string
+    name = fp8_format.name if isinstance(fp8_format, Enum) else fp8_format
+    if name != Format.E4M3.name:
+        raise ConfigError(
+            f"MXFP8BlockScaling.fp8_format: {fp8_format!r} is not supported; only Format.E4M3: te_npu's MXFP8 "
+            "numerics use E4M3 for inputs, weights and gradients (E5M2 / HYBRID gradients are not implemented)"
+        )
+    given = dict(margin=margin, fp8_dpa=fp8_dpa, fp8_mha=fp8_mha, backward_override=backward_override,
+                 enable_2d_quantization=enable_2d_quantization)
+    for field, value in given.items():
+        accepted, reason = _MXFP8_TE_FIELDS[field]
+        if value != accepted or type(value) is not type(accepted):
+            raise ConfigError(f"MXFP8BlockScaling.{field}: {value!r} is not supported (only {accepted!r}): {reason}")
+    return MXFP8BlockRecipe(fp8_format="E4M3")
+
+
+def _refused_recipe(name: str, reason: str):
+    def refuse(*args: Any, **kwargs: Any):
+        raise ConfigError(f"{name} is not supported by te_npu: {reason}")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"TE's ``{name}``: not supported (raises ``ConfigError``): {reason}."
+    return refuse
+
+
+DelayedScaling = _refused_recipe(
+    "DelayedScaling", "delayed scaling (amax history) is not implemented; te_npu's recipes are stateless "
+                      "(MXFP8BlockScaling / MXFP8BlockRecipe, HiF8CurrentScalingRecipe)")
+Float8CurrentScaling = _refused_recipe(
+    "Float8CurrentScaling", "per-tensor FP8 (E4M3 / E5M2) scaling is not implemented; the per-tensor "
+                            "current-scaling recipe here is HiF8: HiF8CurrentScalingRecipe()")
+Float8BlockScaling = _refused_recipe(
+    "Float8BlockScaling", "1x128 / 128x128 FP8 block scaling is not implemented; use MXFP8BlockScaling() "
+                          "(1x32 blocks, E8M0 scales)")
+NVFP4BlockScaling = _refused_recipe("NVFP4BlockScaling", "FP4 formats are not implemented")

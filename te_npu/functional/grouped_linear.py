@@ -34,11 +34,12 @@ from te_npu.functional.operands import (
     save_operands,
     unavailable,
 )
+from te_npu.functional.dtypes import torch_autocast_off
 from te_npu.functional.weight_cache import WeightCache, WeightOperands, col_operand, weight_operands
 from te_npu.ops import low_precision_grouped_matmul
 from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["grouped_linear"]
 
@@ -77,10 +78,16 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.col_weight = weight if need_dx and w_ops.col is None else None  # quantized: col read in backward
         ctx.group_list, ctx.numerics, ctx.context = group_list, numerics, context
         ctx.x_dtype, ctx.weight_dtype = x_TK.dtype, weight.dtype
+        ctx.device_type = x_TK.device.type
         return y_TN
 
     @staticmethod
     def backward(ctx, dy_TN: torch.Tensor):
+        with torch_autocast_off(ctx.device_type):
+            return _GroupedLinearFunction._backward(ctx, dy_TN)
+
+    @staticmethod
+    def _backward(ctx, dy_TN: torch.Tensor):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         x_col, w_col = load_operands(ctx)
         w_col = col_operand(w_col, ctx.col_weight)
@@ -100,6 +107,7 @@ def grouped_linear(
     recipe: Recipe,
     quantizers: Mapping[Role, Quantizer] | None = None,
     weight_cache: WeightCache | None = None,
+    is_first_microbatch: bool | None = None,
     name: str | None = None,
     stats: dict | None = None,
 ) -> torch.Tensor:
@@ -109,7 +117,8 @@ def grouped_linear(
         x: ``[T, K]`` rows sorted by group.
         weight: ``[G, N, K]`` high-precision tensor or ``QuantizedWeightTensor``.
         m_splits: ``[G]`` row counts (list or int tensor) summing to T; zeros allowed.
-        recipe, quantizers, weight_cache, name, stats: as in :func:`te_npu.functional.linear`.
+        recipe, quantizers, weight_cache, is_first_microbatch, name, stats: as in
+            :func:`te_npu.functional.linear`.
     Returns:
         ``[T, N]`` in ``x.dtype``; dX in x's dtype, dW ``[G, N, K]`` in the weight's dtype.
     Raises:
@@ -125,6 +134,7 @@ def grouped_linear(
         raise unavailable(context, numerics, f"weight [G={g}, N={n}, K={k}]: K and N must be multiples of "
                                              f"{numerics.block_size} (blocks run along the reduction dims)")
     group_list = group_list_tensor(m_splits, g, x.shape[0], x.device)
-    w_ops = weight_operands(weight, numerics, weight_cache, context)
-    return _GroupedLinearFunction.apply(x, weight, group_list, w_ops, numerics, context,
-                                        torch.is_grad_enabled())
+    with torch_autocast_off(x.device.type):
+        w_ops = weight_operands(weight, numerics, weight_cache, context, is_first_microbatch)
+        return _GroupedLinearFunction.apply(x, weight, group_list, w_ops, numerics, context,
+                                            torch.is_grad_enabled())

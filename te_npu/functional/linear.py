@@ -39,11 +39,12 @@ from te_npu.functional.operands import (
     save_operands,
     unavailable,
 )
+from te_npu.functional.dtypes import torch_autocast_off
 from te_npu.functional.weight_cache import WeightCache, WeightOperands, col_operand, weight_operands
 from te_npu.ops import low_precision_matmul
 from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["linear"]
 
@@ -84,10 +85,16 @@ class _LinearFunction(torch.autograd.Function):
         ctx.numerics, ctx.context = numerics, context
         ctx.x_dtype, ctx.weight_dtype = x_MK.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.device_type = x_MK.device.type
         return y_MN
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
+        with torch_autocast_off(ctx.device_type):
+            return _LinearFunction._backward(ctx, dy_MN)
+
+    @staticmethod
+    def _backward(ctx, dy_MN: torch.Tensor):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         x_col, w_col = load_operands(ctx)
         w_col = col_operand(w_col, ctx.col_weight)
@@ -126,6 +133,7 @@ def linear(
     recipe: Recipe,
     quantizers: Mapping[Role, Quantizer] | None = None,
     weight_cache: WeightCache | None = None,
+    is_first_microbatch: bool | None = None,
     name: str | None = None,
     stats: dict | None = None,
 ) -> torch.Tensor:
@@ -138,12 +146,13 @@ def linear(
         bias: ``[N]`` or None, kept in high precision.
         recipe: the 8-bit recipe (captured here; backward uses it even outside autocast).
         quantizers: role -> quantizer override (default: ``recipe.quantizers()``).
-        weight_cache: reuse the quantized operands of a high-precision weight across calls
-            while its version is unchanged (modules pass their own); None quantizes per call.
+        weight_cache, is_first_microbatch: a high-precision weight is quantized on every call
+            unless ``is_first_microbatch`` (TE's flag) is given: ``True`` quantizes into
+            ``weight_cache``, ``False`` reuses what it holds (``te_npu.functional.weight_cache``).
         name: used in error messages (the module FQN).
         stats: dict filled with ``role -> QuantStats`` of every quantization (observability).
     Returns:
-        ``[..., N]`` in ``x.dtype``.
+        ``[..., N]`` in ``x.dtype``; ``torch.autocast`` does not reach the emulated GEMMs.
     Raises:
         LowPrecisionUnavailableError: the shape breaks the format's rule (see module doc),
             the weight is quantized in another format, or the backend cannot run the GEMM.
@@ -153,8 +162,10 @@ def linear(
     context = GemmContext(name or f"linear(weight [{n}, {k}])", stats)
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
     _check_shapes(numerics, context, tuple(x.shape), (n, k), need_wgrad)
-    w_ops = weight_operands(weight, numerics, weight_cache, context)
-    y_MN = _LinearFunction.apply(x.reshape(-1, k), weight, bias, w_ops, numerics, context, torch.is_grad_enabled())
+    with torch_autocast_off(x.device.type):
+        w_ops = weight_operands(weight, numerics, weight_cache, context, is_first_microbatch)
+        y_MN = _LinearFunction.apply(x.reshape(-1, k), weight, bias, w_ops, numerics, context,
+                                     torch.is_grad_enabled())
     if x.dim() == 2:
         return y_MN
     # Like F.linear / matmul: y_MN is a fresh tensor nobody else holds, so hand out its

@@ -61,6 +61,7 @@ def grouped_swiglu(
     recipe: Recipe,
     quantizers: Mapping[QuantizationRole, Quantizer] | None = None,
     weight_caches: tuple[WeightCache | None, WeightCache | None] = (None, None),
+    is_first_microbatch: bool | None = None,
     name: str | None = None,
     stats: dict | None = None,
 ) -> torch.Tensor:
@@ -69,7 +70,8 @@ def grouped_swiglu(
     Args:
         x: ``[T, H]`` rows sorted by expert; m_splits: ``[E]`` rows per expert.
         gate_up_weight: ``[E, 2F, H]``; down_weight: ``[E, H, F]`` (high precision or quantized).
-        weight_caches: (gate_up, down) caches for high-precision weights.
+        weight_caches, is_first_microbatch: (gate_up, down) caches for high-precision weights
+            and TE's caching flag, as in :func:`te_npu.functional.linear`.
         stats: dict filled with ``{"gate_up": {role: QuantStats}, "down": {...}}``.
     Returns:
         ``[T, H]`` in x's dtype.
@@ -79,7 +81,9 @@ def grouped_swiglu(
         m_splits = host_group_sizes(m_splits)
     sink = (None, None) if stats is None else (stats.setdefault("gate_up", {}), stats.setdefault("down", {}))
     h_TF2 = grouped_linear(x, gate_up_weight, m_splits, recipe=recipe, quantizers=quantizers,
-                           weight_cache=weight_caches[0], name=f"{name}.gate_up_proj", stats=sink[0])
+                           weight_cache=weight_caches[0], is_first_microbatch=is_first_microbatch,
+                           name=f"{name}.gate_up_proj", stats=sink[0])
     a_TF = swiglu(h_TF2)
     return grouped_linear(a_TF, down_weight, m_splits, recipe=recipe, quantizers=quantizers,
-                          weight_cache=weight_caches[1], name=f"{name}.down_proj", stats=sink[1])
+                          weight_cache=weight_caches[1], is_first_microbatch=is_first_microbatch,
+                          name=f"{name}.down_proj", stats=sink[1])

@@ -1,22 +1,42 @@
-"""Weight operands of a low-precision GEMM: from a quantized weight, or cached per version.
+"""Weight operands of a low-precision GEMM: from a quantized weight, or quantized now.
 
 A TE weight is either
 - a ``QuantizedWeightTensor`` parameter (``quantized_model_init`` / ``quantize_weights_``):
-  its stored row / col payloads are the operands, never re-quantized in forward; or
-- a high-precision parameter: quantized once per *parameter version* and reused across
-  micro-batches and activation recompute. The cache key is ``(weight._version,
-  weight.data_ptr(), shape, dtype, recipe)``; every in-place update (optimizer step,
-  ``copy_``, ``load_state_dict``) bumps ``_version``, so a hit can never be stale.
-  (Rebinding ``param.data = other`` keeps the version counter; the data pointer changes
-  unless the allocator hands back the same address, so call ``cache.clear()`` after such a
-  rebinding, as ``TE`` modules do in ``_apply``.)
+  its stored row / col payloads are the operands, never re-quantized in forward (te_npu's
+  training path: ``MasterWeightOptimizer`` refreshes them once after each optimizer step); or
+- a high-precision parameter, quantized following Transformer Engine's model
+  (``is_first_microbatch``, as TE's ``Linear.forward`` takes it):
 
-The cache holds one entry: the previous operands are dropped *before* the new ones are made,
-so at most one quantized copy per weight is alive (plus whatever an autograd graph still
+  ========================  ===============================================================
+  ``is_first_microbatch``   weight operands
+  ========================  ===============================================================
+  ``None`` (default)        quantized from the weight's current values on every call: always
+                            fresh, whatever wrote the weight (``param.data.copy_``, EMA swaps,
+                            ``load_state_dict``, rebinding)
+  ``True``                  quantized now and kept in the module's ``WeightCache``
+  ``False``                 the kept operands: the caller vouches that the weight did not
+                            change since the ``True`` call (micro-batches of one step)
+  ========================  ===============================================================
+
+  ``False`` still re-quantizes (and keeps the new operands) when the cache is empty or a
+  change is visible from metadata: another tensor object, another version (an in-place op
+  through autograd's view of the weight, e.g. an optimizer step), another storage, shape,
+  dtype or device, or another recipe. Writes through ``param.data`` are invisible to these
+  checks by PyTorch's design (``.data`` has its own version counter): that is what the
+  caller promises not to do between ``True`` and ``False``.
+
+  An activation recompute (a forward inside backward) is the same logical call as its
+  forward: there ``True`` reuses the operands it kept (when still valid) instead of
+  quantizing the unchanged weight again; ``None`` quantizes again (one extra weight
+  quantization per recomputed call, the price of never trusting a cache).
+
+The cache holds one entry: the previous operands are dropped *before* new ones are made, so
+at most one cached quantized copy per weight is alive (plus whatever an autograd graph still
 references). It is a plain attribute, never a buffer, so it is not part of ``state_dict``.
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -25,7 +45,7 @@ from te_npu.errors import LowPrecisionUnavailableError
 from te_npu.formats import QuantizationRole
 from te_npu.functional.operands import GemmContext, GemmNumerics, quantize_pair
 from te_npu.tensor import QuantizedWeightTensor
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["WeightOperands", "WeightCache", "weight_operands", "col_operand", "high_precision_weight"]
 
@@ -51,37 +71,51 @@ def _quantize(weight: torch.Tensor, numerics: GemmNumerics, context: GemmContext
     return WeightOperands(row, col)
 
 
-class WeightCache:
-    """Quantized operands of one high-precision weight, valid for one parameter version."""
+def _cache_key(weight: torch.Tensor, numerics: GemmNumerics) -> tuple:
+    return (weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device,
+            numerics.recipe, dict(numerics.quantizers))
 
-    __slots__ = ("_key", "_operands", "misses")
+
+class WeightCache:
+    """The operands of one high-precision weight kept between ``is_first_microbatch`` calls."""
+
+    __slots__ = ("_weight", "_key", "_operands", "fills")
 
     def __init__(self) -> None:
+        self._weight: weakref.ref | None = None
         self._key: tuple | None = None
         self._operands: WeightOperands | None = None
-        self.misses = 0  # how many times the weight was quantized (observability, tests)
+        self.fills = 0  # how many times operands were quantized into the cache (observability)
 
-    def get(self, weight: torch.Tensor, numerics: GemmNumerics, context: GemmContext | None = None) -> WeightOperands:
-        """The operands for ``weight`` now; quantizes only when the version/storage/recipe changed."""
+    def get(self, weight: torch.Tensor, numerics: GemmNumerics, context: GemmContext | None = None, *,
+            is_first_microbatch: bool | None = None) -> WeightOperands:
+        """The operands for ``weight`` under TE's ``is_first_microbatch`` rule (module docstring)."""
         context = context or GemmContext()
-        if weight.is_inference():  # inference tensors carry no version counter: never cache them
+        if is_first_microbatch is None or weight.is_inference():  # inference tensors have no version
             return _quantize(weight, numerics, context)
-        key = (weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype, numerics.recipe)
-        if key != self._key or self._operands is None:
-            self.clear()  # drop the old copy first: never two alive because of the cache
-            self._operands = _quantize(weight, numerics, context)
-            self._key = key
-            self.misses += 1
+        recompute = torch._C._current_graph_task_id() != -1  # a forward replayed inside backward
+        reuse = is_first_microbatch is False or recompute
+        if reuse and self._valid_for(weight, numerics):
+            return self._operands
+        self.clear()  # drop the old copy first: never two alive because of the cache
+        self._operands = _quantize(weight, numerics, context)
+        self._weight, self._key = weakref.ref(weight), _cache_key(weight, numerics)
+        self.fills += 1
         return self._operands
+
+    def _valid_for(self, weight: torch.Tensor, numerics: GemmNumerics) -> bool:
+        return (self._operands is not None and self._weight is not None and self._weight() is weight
+                and self._key == _cache_key(weight, numerics))
 
     def clear(self) -> None:
         """Forget the cached operands (they are freed once no autograd graph holds them)."""
-        self._key, self._operands = None, None
+        self._weight, self._key, self._operands = None, None, None
 
 
 def weight_operands(weight: torch.Tensor, numerics: GemmNumerics, cache: WeightCache | None,
-                    context: GemmContext) -> WeightOperands:
-    """Row and col operands of ``weight`` in ``numerics``' format.
+                    context: GemmContext, is_first_microbatch: bool | None = None) -> WeightOperands:
+    """Row and col operands of ``weight`` in ``numerics``' format (``cache`` and
+    ``is_first_microbatch`` as in the module docstring; no cache: quantized now).
 
     Raises ``LowPrecisionUnavailableError`` when ``weight`` is a quantized weight of another
     format than the recipe (a quantized weight is never converted on the fly).
@@ -93,7 +127,7 @@ def weight_operands(weight: torch.Tensor, numerics: GemmNumerics, cache: WeightC
         return WeightOperands(weight.select("row"), None)
     if cache is None:
         return _quantize(weight, numerics, context)
-    return cache.get(weight, numerics, context)
+    return cache.get(weight, numerics, context, is_first_microbatch=is_first_microbatch)
 
 
 def _mismatch(weight: QuantizedWeightTensor, numerics: GemmNumerics, context: GemmContext) -> Exception:
@@ -105,20 +139,22 @@ def _mismatch(weight: QuantizedWeightTensor, numerics: GemmNumerics, context: Ge
 
 
 class _DequantizedWeight(torch.autograd.Function):
-    """``weight.dequantize()`` whose gradient flows to the quantized parameter unchanged."""
+    """``weight.dequantize(dtype)`` whose gradient flows to the quantized parameter (autograd
+    casts it to the parameter's logical dtype)."""
 
     @staticmethod
-    def forward(ctx, weight: QuantizedWeightTensor) -> torch.Tensor:
-        return weight.dequantize()
+    def forward(ctx, weight: QuantizedWeightTensor, dtype: torch.dtype | None) -> torch.Tensor:
+        return weight.dequantize(dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
-def high_precision_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight for a plain (BF16 baseline) GEMM: a quantized weight is dequantized
-    (its logical dtype; the gradient still reaches the parameter), anything else is itself."""
+def high_precision_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight for a plain (BF16 baseline) GEMM: a quantized weight is dequantized (into
+    ``dtype``, default its logical dtype, exactly; the gradient still reaches the parameter),
+    anything else is itself."""
     if isinstance(weight, QuantizedWeightTensor):
-        return _DequantizedWeight.apply(weight)
+        return _DequantizedWeight.apply(weight, dtype)
     return weight

@@ -9,8 +9,12 @@ so ``state_dict`` holds exactly the parameters (no ``_extra_state``; recipes are
   host sync); grouped SwiGLU experts keep one such dict per GEMM.
 - ``fqn``: the module's name in the model, set by :func:`assign_fqns`; error messages use it.
 - weights created under ``te_npu.quantized_model_init(recipe=...)`` or converted with
-  ``te_npu.quantize_weights_`` are ``MXFP8Tensor`` / ``HiF8Tensor`` parameters; a
-  high-precision weight is quantized once per parameter version (``WeightCache``).
+  ``te_npu.quantize_weights_`` are ``MXFP8Tensor`` / ``HiF8Tensor`` parameters, read as
+  stored; a high-precision weight is quantized on every forward unless the caller passes
+  TE's ``is_first_microbatch`` (``te_npu.functional.weight_cache``).
+- which recipe a forward runs in, also when activation recompute replays it inside backward:
+  ``te_npu.modules.forward_recipe``.
+- compute dtype: TE's activation dtype (``te_npu.functional.dtypes``).
 """
 from __future__ import annotations
 
@@ -20,13 +24,14 @@ from typing import ClassVar, Mapping
 import torch
 from torch import nn
 
-from te_npu.autocast import get_autocast_recipe, get_quantized_init_recipe
+from te_npu.autocast import get_quantized_init_state
 from te_npu.formats import QuantizationRole
-from te_npu.functional.weight_cache import WeightCache
+from te_npu.functional.weight_cache import WeightCache, high_precision_weight
+from te_npu.modules.forward_recipe import ForwardRecipes
 from te_npu.ops import require_low_precision
 from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
-from te_npu.tensor import QuantizedWeightTensor, quantize_weight
+from te_npu.tensor import QuantizedWeightTensor, attach_high_precision_init_val, quantize_weight
 
 __all__ = ["TEModule", "assign_fqns"]
 
@@ -41,7 +46,7 @@ class TEModule(nn.Module):
         self.fqn: str | None = None
         self.quant_stats: dict = {}
         self._recipe: Recipe | None = None
-        self._last_forward_recipe: Recipe | None = None
+        self._forward_recipes = ForwardRecipes()
         self._quantizers: Mapping[QuantizationRole, Quantizer] | None = None
         self._weight_caches = {name: WeightCache() for name in self._weight_names}
 
@@ -49,16 +54,14 @@ class TEModule(nn.Module):
     def forward_recipe(self) -> Recipe | None:
         """The recipe of this forward: the autocast recipe, or None for the plain path.
 
-        Activation recompute (``torch.utils.checkpoint(..., use_reentrant=False)``) reruns
-        forward *during backward*, usually outside the ``te_npu.autocast`` block of the original
-        forward. A forward that runs inside a backward pass therefore reuses the recipe (or
-        plain path) this module's last ordinary forward used, so the recomputed activations,
-        GEMM path and saved operands are bitwise those of the original forward.
+        A forward replayed by activation recompute (inside backward) gets the recipe of the
+        checkpointed call (``te_npu.modules.forward_recipe``). Every forward hands its output to
+        :meth:`_forward_done`, so that a plain ``torch.utils.checkpoint`` recompute can tell.
         """
-        if torch._C._current_graph_task_id() != -1:  # inside backward: a recompute
-            return self._last_forward_recipe
-        self._last_forward_recipe = get_autocast_recipe()
-        return self._last_forward_recipe
+        return self._forward_recipes.current(self.te_name)
+
+    def _forward_done(self, output: torch.Tensor, recipe: Recipe | None) -> None:
+        self._forward_recipes.record(output, recipe)
 
     # ---- quantizer metadata ----------------------------------------------------------------
     def quantizers_for(self, recipe: Recipe) -> Mapping[QuantizationRole, Quantizer]:
@@ -82,17 +85,27 @@ class TEModule(nn.Module):
     def _device(self) -> torch.device:
         return getattr(self, self._weight_names[0]).device
 
-    def _gemm_kwargs(self, recipe: Recipe, weight_name: str = "weight") -> dict:
+    def _gemm_kwargs(self, recipe: Recipe, weight_name: str = "weight",
+                     is_first_microbatch: bool | None = None) -> dict:
         """Keyword arguments of a ``te_npu.functional`` call for one of this module's weights."""
         return dict(recipe=recipe, quantizers=self.quantizers_for(recipe), name=self.te_name,
-                    weight_cache=self._weight_caches[weight_name], stats=self.quant_stats)
+                    weight_cache=self._weight_caches[weight_name], is_first_microbatch=is_first_microbatch,
+                    stats=self.quant_stats)
+
+    def _plain_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A weight for the plain path in the activation ``dtype`` (a quantized weight dequantized;
+        autograd-tracked, so the gradient reaches the parameter in its own dtype)."""
+        weight = high_precision_weight(getattr(self, name), dtype)
+        return weight if weight.dtype == dtype else weight.to(dtype)
 
     # ---- quantized weights -----------------------------------------------------------------
-    def _quantize_weights_(self, recipe: Recipe) -> None:
+    def _quantize_weights_(self, recipe: Recipe, preserve_high_precision_init_val: bool = False) -> None:
         """Replace every high-precision GEMM weight by a quantized parameter of ``recipe``.
 
         The new parameter is a different object (build optimizers afterwards); a weight that
         is already quantized in ``recipe``'s format is kept, one in another format raises.
+        ``preserve_high_precision_init_val``: keep the high-precision value on the CPU behind
+        ``param.get_high_precision_init_val()`` / ``clear_high_precision_init_val()`` (TE's API).
         """
         for name in self._weight_names:
             weight = getattr(self, name)
@@ -104,8 +117,10 @@ class TEModule(nn.Module):
             if weight.is_meta:
                 raise ValueError(f"{self.te_name}.{name}: cannot quantize a meta weight; materialize and "
                                  "initialise it first, then call te_npu.quantize_weights_(model, recipe)")
-            quantized = quantize_weight(weight.detach(), recipe)
-            setattr(self, name, nn.Parameter(quantized, requires_grad=weight.requires_grad))
+            quantized = nn.Parameter(quantize_weight(weight.detach(), recipe), requires_grad=weight.requires_grad)
+            if preserve_high_precision_init_val:
+                attach_high_precision_init_val(quantized, weight.detach().cpu())
+            setattr(self, name, quantized)
             self._weight_caches[name].clear()
 
     def _finish_init(self) -> None:
@@ -114,7 +129,8 @@ class TEModule(nn.Module):
         A meta-device module has no values to quantize; rather than leave it silently high
         precision, this raises (build on meta outside ``quantized_model_init``, materialize,
         then call ``te_npu.quantize_weights_``)."""
-        recipe = get_quantized_init_recipe()
+        state = get_quantized_init_state()
+        recipe = state.recipe
         if recipe is None:
             return
         if self._device().type == "meta":
@@ -123,7 +139,15 @@ class TEModule(nn.Module):
                 "weights hold no values to quantize. Build the model on meta outside quantized_model_init, "
                 "materialize and initialise it, then call te_npu.quantize_weights_(model, recipe)"
             )
-        self._quantize_weights_(recipe)
+        self._quantize_weights_(recipe, state.preserve_high_precision_init_val)
+
+    def __getstate__(self) -> dict:
+        """``copy.deepcopy`` / pickle: parameters and configuration only; the derived metadata
+        (quantizers, kept weight operands, stats, live-forward records) starts empty."""
+        state = self.__dict__.copy()
+        state.update(quant_stats={}, _recipe=None, _quantizers=None, _forward_recipes=ForwardRecipes(),
+                     _weight_caches={name: WeightCache() for name in self._weight_names})
+        return state
 
     def _apply(self, fn, recurse: bool = True):
         for cache in self._weight_caches.values():

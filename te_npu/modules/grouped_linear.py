@@ -2,8 +2,10 @@
 
 Inside ``te_npu.autocast(recipe=...)`` every GEMM (fprop, dgrad, wgrad) runs in the recipe's
 format through ``te_npu.functional.grouped_linear`` / ``grouped_swiglu``; outside, the plain
-path below (``_grouped_linear_reference``) computes in the parameter dtype (the BF16
-baseline), with quantized weights entering as ``weight.dequantize()``.
+path below (``_grouped_linear_reference``) computes in high precision (the BF16 baseline),
+with quantized weights entering as ``weight.dequantize()``. Both paths compute in TE's
+activation dtype (``te_npu.functional.dtypes``) and check ``m_splits`` the same way
+(``G`` sizes, non-negative, summing to the rows of ``x``).
 """
 from __future__ import annotations
 
@@ -15,23 +17,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from te_npu import functional as te_functional
+from te_npu.functional.dtypes import activation_dtype
+from te_npu.functional.operands import group_list_tensor
 from te_npu.modules.base import TEModule
-from te_npu.numerics.groups import group_sizes_tensor, host_group_sizes
+from te_npu.numerics.groups import host_group_sizes
 
 __all__ = ["TEGroupedLinear", "TEGroupedSwiGLUExperts"]
 
 
-def _split_sizes(m_splits: Sequence[int] | torch.Tensor) -> list[int]:
-    """Host ints of ``m_splits`` (a tensor's mirror, or one read of its values)."""
-    return list(host_group_sizes(m_splits)) if isinstance(m_splits, torch.Tensor) else list(m_splits)
+def _checked_group_sizes(m_splits: Sequence[int] | torch.Tensor, num_groups: int, x: torch.Tensor) -> torch.Tensor:
+    """int64 ``[G]`` row counts with their host mirror, checked exactly as the 8-bit path checks them."""
+    return group_list_tensor(m_splits, num_groups, x.shape[0], x.device)
 
 
-def _grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, m_splits) -> torch.Tensor:
-    """x: ``[T, K]`` sorted by group; weight: ``[G, N, K]`` -> ``[T, N]``."""
-    if hasattr(torch, "_grouped_mm") and x.device.type in ("cuda", "cpu") and x.dtype == weight.dtype:
-        offsets = torch.cumsum(group_sizes_tensor(_split_sizes(m_splits), x.device), 0).to(torch.int32)
+def _grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """x: ``[T, K]`` sorted by group; weight: ``[G, N, K]`` (x's dtype); checked sizes ``[G]`` -> ``[T, N]``."""
+    if hasattr(torch, "_grouped_mm") and x.device.type in ("cuda", "cpu"):
+        offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    chunks = torch.split(x, _split_sizes(m_splits))
+    chunks = torch.split(x, list(host_group_sizes(group_sizes)))
     # unbind, not weight[g]: the backward of G selects would materialise G zero-filled [G, N, K]
     # gradients (64 experts at 16B shapes: ~100 GB of memset per step); unbind's is one stack.
     return torch.cat([F.linear(chunk, w_g) for chunk, w_g in zip(chunks, weight.unbind(0))])
@@ -72,12 +76,23 @@ class TEGroupedLinear(TEModule):
             bound = 1.0 / math.sqrt(self.in_features)
             nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """x: ``[T, in]`` rows sorted by group, ``m_splits`` ``[G]`` summing to T -> ``[T, out]``."""
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
+                is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """x: ``[T, in]`` rows sorted by group, ``m_splits`` ``[G]`` summing to T -> ``[T, out]``.
+
+        ``is_first_microbatch``: TE's weight-caching flag (see ``TELinear.forward``).
+        """
         recipe = self.forward_recipe()
+        dtype = activation_dtype(x)
+        x = x if x.dtype == dtype else x.to(dtype)
         if recipe is None:
-            return _grouped_linear_reference(x, te_functional.high_precision_weight(self.weight), m_splits)
-        return te_functional.grouped_linear(x, self.weight, m_splits, **self._gemm_kwargs(recipe))
+            out = _grouped_linear_reference(x, self._plain_weight("weight", dtype),
+                                            _checked_group_sizes(m_splits, self.num_gemms, x))
+        else:
+            out = te_functional.grouped_linear(x, self.weight, m_splits,
+                                               **self._gemm_kwargs(recipe, "weight", is_first_microbatch))
+        self._forward_done(out, recipe)
+        return out
 
     def extra_repr(self) -> str:
         return f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}"
@@ -127,18 +142,26 @@ class TEGroupedSwiGLUExperts(TEModule):
             else:
                 nn.init.normal_(weight, std=0.02)
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """x: ``[T, H]`` rows sorted by expert, ``m_splits`` ``[E]`` -> ``[T, H]``."""
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
+                is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """x: ``[T, H]`` rows sorted by expert, ``m_splits`` ``[E]`` -> ``[T, H]``.
+
+        ``is_first_microbatch``: TE's weight-caching flag (see ``TELinear.forward``).
+        """
         recipe = self.forward_recipe()
+        dtype = activation_dtype(x)
+        x = x if x.dtype == dtype else x.to(dtype)
         if recipe is None:
-            m_splits = _split_sizes(m_splits)  # read once for both GEMMs
-            gate_up = te_functional.high_precision_weight(self.gate_up_proj)
-            gate, up = _grouped_linear_reference(x, gate_up, m_splits).chunk(2, dim=-1)
-            return _grouped_linear_reference(F.silu(gate) * up, te_functional.high_precision_weight(self.down_proj),
-                                             m_splits)
-        kwargs = self._gemm_kwargs(recipe, "gate_up_proj")
-        kwargs["weight_caches"] = (kwargs.pop("weight_cache"), self._weight_caches["down_proj"])
-        return te_functional.grouped_swiglu(x, self.gate_up_proj, self.down_proj, m_splits, **kwargs)
+            group_sizes = _checked_group_sizes(m_splits, self.num_experts, x)  # read once for both GEMMs
+            gate, up = _grouped_linear_reference(x, self._plain_weight("gate_up_proj", dtype),
+                                                 group_sizes).chunk(2, dim=-1)
+            out = _grouped_linear_reference(F.silu(gate) * up, self._plain_weight("down_proj", dtype), group_sizes)
+        else:
+            kwargs = self._gemm_kwargs(recipe, "gate_up_proj", is_first_microbatch)
+            kwargs["weight_caches"] = (kwargs.pop("weight_cache"), self._weight_caches["down_proj"])
+            out = te_functional.grouped_swiglu(x, self.gate_up_proj, self.down_proj, m_splits, **kwargs)
+        self._forward_done(out, recipe)
+        return out
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

@@ -38,6 +38,7 @@ class HiF8Tensor(QuantizedWeightTensor):
 
     _inner_fields: ClassVar[tuple[str, ...]] = ("qdata", "scale")
     _handlers: ClassVar[dict] = {}  # format-specific aten handlers (none yet); base table applies
+    quantizer_type: ClassVar[type] = HiF8Quantizer
     format: ClassVar[Format] = Format.HIF8
 
     qdata: torch.Tensor

@@ -38,6 +38,7 @@ class MXFP8Tensor(QuantizedWeightTensor):
 
     _inner_fields: ClassVar[tuple[str, ...]] = ("row_data", "row_scale", "col_data", "col_scale")
     _handlers: ClassVar[dict] = {}  # format-specific aten handlers (none yet); base table applies
+    quantizer_type: ClassVar[type] = MXFP8Quantizer
     format: ClassVar[Format] = Format.MXFP8_E4M3
 
     row_data: torch.Tensor

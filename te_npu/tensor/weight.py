@@ -7,11 +7,18 @@ a fixed set of inner tensors declared once per subclass in ``_inner_fields``. It
 reads the weight through ``select`` returns a plain ``[N, K]`` gradient for it.
 
 The weight is derived state: it is (re)built from a high-precision master by the
-quantizers (``refresh_from_master``), never by math written here, and it is never
-silently dequantized. ``__torch_dispatch__`` looks each aten op up in a per-class handler
-table (``implements``); an op without a handler raises ``NotImplementedError`` naming it.
-The handlers are the few shape/storage ops that ``nn.Module``, ``nn.Parameter``, state
-dicts, ``copy.deepcopy`` and FSDP2's dim-0 sharding send (each handler says who sends it).
+quantizers (``refresh_from_master``), never by math written here. ``__torch_dispatch__``
+looks each aten op up in a per-class handler table (``implements``); an op without a
+handler raises ``NotImplementedError`` naming it. The handlers here are the shape/storage
+ops that ``nn.Module``, ``nn.Parameter``, state dicts, ``copy.deepcopy`` and FSDP2's dim-0
+sharding send (each handler says who sends it); ``te_npu.tensor.weight_ops`` adds the listed
+reads (high-precision results), in-place updates (re-quantized) and factories that ordinary
+PyTorch code (``torch.optim``, ``nn.init``, ``w.norm()``) sends.
+
+Pickling (``torch.save``) goes through one rebuild function, registered with
+``torch.serialization.add_safe_globals``, so ``torch.load(f)`` (``weights_only=True``) loads
+quantized state dicts; nothing else is allowlisted (the class is named by its format, the
+quantizer by its fields).
 
 Dim-0 slicing is format specific (which inner tensors follow the rows, and where a legal
 boundary lies); subclasses implement ``_slice_dim0`` and ``_zeros_like_rows`` and the
@@ -19,6 +26,8 @@ shared handlers below build every split / slice / pad from those two.
 """
 from __future__ import annotations
 
+import dataclasses
+from types import MethodType
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -26,7 +35,7 @@ import torch
 from te_npu.formats import Format, Orientation
 from te_npu.ops.operand import QuantizedOperand
 
-__all__ = ["QuantizedWeightTensor", "implements"]
+__all__ = ["QuantizedWeightTensor", "implements", "attach_high_precision_init_val"]
 
 aten = torch.ops.aten
 
@@ -49,7 +58,7 @@ class QuantizedWeightTensor(torch.Tensor):
 
     Subclasses declare:
     - ``_inner_fields``: names of the inner tensors, in ``__tensor_flatten__`` order;
-    - ``format``: the ``Format`` of the payload;
+    - ``format``: the ``Format`` of the payload; ``quantizer_type``: its quantizer class;
     - ``_handlers``: their own aten table (format-specific entries; looked up before the
       base table along the MRO);
     - ``_slice_dim0(start, stop)`` / ``_zeros_like_rows(rows)`` / ``_requantize_(hp)``,
@@ -62,6 +71,7 @@ class QuantizedWeightTensor(torch.Tensor):
     _inner_fields: ClassVar[tuple[str, ...]] = ()
     _handlers: ClassVar[dict] = {}
     format: ClassVar[Format]
+    quantizer_type: ClassVar[type]
 
     @staticmethod
     def __new__(cls, *args: Any, **kwargs: Any) -> "QuantizedWeightTensor":
@@ -178,28 +188,64 @@ class QuantizedWeightTensor(torch.Tensor):
             raise NotImplementedError(f"{cls.__name__} does not support {func}")
         return handler(func, args, kwargs or {})
 
-    # Pickling (torch.save of a module / state dict): rebuild from the inner tensors.
+    # Pickling (torch.save of a module / state dict): rebuild from the inner tensors. Only plain
+    # values travel (the format's name, the quantizer's fields), so the rebuild function is the
+    # one global ``torch.load(weights_only=True)`` must allow.
     def __reduce_ex__(self, protocol: int):
+        quantizer_fields = {f.name: getattr(self._quantizer, f.name) for f in dataclasses.fields(self._quantizer)}
         return (
             _rebuild_quantized_weight,
             (
-                type(self),
+                self.format.value,
                 self._inner(),
                 tuple(self.shape),
                 self.dtype,
-                self._quantizer,
+                quantizer_fields,
                 self.requires_grad,
                 getattr(self, "_is_param", False),
             ),
         )
 
 
-def _rebuild_quantized_weight(cls, inner, shape, logical_dtype, quantizer, requires_grad, is_param):
-    """Unpickle (``torch.load(..., weights_only=False)``); restores ``nn.Parameter``-ness."""
-    tensor = cls._make(inner, shape=shape, logical_dtype=logical_dtype, quantizer=quantizer, requires_grad=requires_grad)
+def _rebuild_quantized_weight(format_name, inner, shape, logical_dtype, quantizer_fields, requires_grad, is_param):
+    """Unpickle a quantized weight (``torch.load``, also with ``weights_only=True``); restores
+    ``nn.Parameter``-ness."""
+    classes = {c.format.value: c for c in QuantizedWeightTensor.__subclasses__()}
+    if format_name not in classes:
+        raise ValueError(f"cannot load a quantized weight of format {format_name!r}; known: {sorted(classes)}")
+    cls = classes[format_name]
+    tensor = cls._make(inner, shape=shape, logical_dtype=logical_dtype, quantizer=cls.quantizer_type(**quantizer_fields),
+                       requires_grad=requires_grad)
     if is_param:
         tensor._is_param = True
     return tensor
+
+
+torch.serialization.add_safe_globals([_rebuild_quantized_weight])
+
+
+# ---- TE's preserve_high_precision_init_val ---------------------------------------------------------
+
+
+def _get_high_precision_init_val(param: torch.Tensor) -> torch.Tensor | None:
+    return getattr(param, "_high_precision_init_val", None)
+
+
+def _clear_high_precision_init_val(param: torch.Tensor) -> None:
+    if hasattr(param, "_high_precision_init_val"):
+        del param._high_precision_init_val
+
+
+def attach_high_precision_init_val(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Keep ``value`` (the high-precision initial weight, on the CPU) on ``param`` behind TE's
+    ``param.get_high_precision_init_val()`` / ``param.clear_high_precision_init_val()``.
+
+    As in TE, the two methods exist only on parameters that preserved a value (Megatron tests
+    ``hasattr(param, "get_high_precision_init_val")``); ``clear`` frees the CPU copy.
+    """
+    param._high_precision_init_val = value
+    param.get_high_precision_init_val = MethodType(_get_high_precision_init_val, param)
+    param.clear_high_precision_init_val = MethodType(_clear_high_precision_init_val, param)
 
 
 # ---- shared aten handlers ----------------------------------------------------------------------
@@ -332,19 +378,25 @@ def _empty_like(func, args, kwargs):
 
 @implements(_table, aten.copy_.default)
 def _copy_(func, args, kwargs):
-    # load_state_dict (plain high-precision src -> re-quantize), FSDP2 shard padding
-    # (same-class src -> copy every inner tensor), model.to(...) swaps.
+    # load_state_dict in every direction, through the logical values: high-precision src ->
+    # re-quantize; same-class src -> copy every inner tensor (also FSDP2 shard padding,
+    # model.to(...) swaps); other-format src -> its values re-quantized; high-precision dst <-
+    # quantized src -> the dequantized values.
     dst, src = args[0], args[1]
     if list(src.shape) != list(dst.shape):
         raise ValueError(f"copy_: shape {list(src.shape)} does not match {type(dst).__name__} {list(dst.shape)}")
+    if not isinstance(dst, QuantizedWeightTensor):
+        src._require_weight_shape(func)
+        return dst.copy_(src.dequantize(dst.dtype if dst.is_floating_point() else None))
     if type(src) is type(dst):
         for name in dst._inner_fields:
             getattr(dst, name).copy_(getattr(src, name))
-    elif isinstance(src, QuantizedWeightTensor):
-        raise NotImplementedError(f"{type(dst).__name__} cannot copy_ from a {type(src).__name__}")
-    else:
-        dst._require_weight_shape(func)
-        dst._requantize_(src.to(dst.device))
+        return dst
+    dst._require_weight_shape(func)
+    if isinstance(src, QuantizedWeightTensor):
+        src._require_weight_shape(func)
+        src = src.dequantize()
+    dst._requantize_(src.to(dst.device))
     return dst
 
 
@@ -360,14 +412,14 @@ def _clone(func, args, kwargs):
 @implements(_table, aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     # module.to(device) / t.to(device) / FSDP2 CPU offload: device moves keep the subclass.
-    # A dtype change would be a silent dequantize: refused (call .dequantize(dtype)).
+    # A dtype change (t.float(), t.to(torch.bfloat16) of an fp32 weight, module.to(dtype)) is a
+    # read: the dequantized values in that dtype, a plain tensor.
     self = args[0]
     dtype = kwargs.get("dtype")
-    if dtype is not None and dtype != self.dtype:
-        raise NotImplementedError(
-            f"{type(self).__name__} does not support {func} to dtype {dtype}; call .dequantize({dtype}) explicitly"
-        )
     move = {k: kwargs[k] for k in ("device", "non_blocking") if kwargs.get(k) is not None}
+    if dtype is not None and dtype != self.dtype:
+        self._require_weight_shape(func)
+        return self.dequantize(dtype).to(**move)
     pin = kwargs.get("pin_memory")
     out = self._map_inner(lambda t: t.to(copy=True, **move))
     return out._map_inner(lambda t: t.pin_memory()) if pin else out

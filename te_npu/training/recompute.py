@@ -1,4 +1,5 @@
-"""Full activation recompute of chosen layers with ``torch.utils.checkpoint`` (non-reentrant).
+"""Full activation recompute of chosen layers with ``te_npu.checkpoint`` (non-reentrant
+``torch.utils.checkpoint`` that replays the te_npu autocast state of each call).
 
 Applied after FSDP2 (spec section 12.1): only the layer's ``forward`` is wrapped, so module
 FQNs, state-dict keys and FSDP hooks stay as they are. TE weights are not re-quantized by the
@@ -9,7 +10,8 @@ from __future__ import annotations
 import functools
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from te_npu.activation_checkpoint import checkpoint
 
 __all__ = ["apply_activation_checkpointing"]
 
@@ -19,7 +21,7 @@ def apply_activation_checkpointing(model: nn.Module, layer_types: tuple[type[nn.
     wrapped = []
     for name, module in model.named_modules():
         if isinstance(module, layer_types) and not getattr(module, "_te_npu_recompute", False):
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+            module.forward = functools.partial(checkpoint, module.forward)
             module._te_npu_recompute = True
             wrapped.append(name)
     if not wrapped:

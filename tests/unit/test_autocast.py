@@ -54,3 +54,63 @@ def test_quantized_model_init_nests_and_restores():
         with te_npu.quantized_model_init():
             assert get_quantized_init_recipe() == MXFP8BlockRecipe()
     assert get_quantized_init_recipe() is None
+
+
+# ---- issue 14: one reusable context object, recipes checked at the ``with`` line --------------
+
+def test_autocast_object_is_reusable_and_safely_re_entrant():
+    ctx = te_npu.autocast(recipe=HiF8CurrentScalingRecipe())
+    for _ in range(2):  # sequential reuse (a generator context would fail the second time)
+        with ctx as entered:
+            assert entered is ctx and te_npu.get_autocast_recipe() == HiF8CurrentScalingRecipe()
+        assert not te_npu.is_autocast_enabled()
+    with ctx:  # nested re-entry of the same object
+        with te_npu.autocast(enabled=False):
+            with ctx:
+                assert te_npu.get_autocast_recipe() == HiF8CurrentScalingRecipe()
+            assert not te_npu.is_autocast_enabled()
+        assert te_npu.is_autocast_enabled()
+    assert not te_npu.is_autocast_enabled()
+    init = te_npu.quantized_model_init(recipe=MXFP8BlockRecipe())
+    for _ in range(2):
+        with init:
+            assert get_quantized_init_recipe() == MXFP8BlockRecipe()
+    assert get_quantized_init_recipe() is None
+
+
+def test_autocast_exit_out_of_order_raises():
+    outer, inner = te_npu.autocast(), te_npu.autocast(enabled=False)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="out of order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert not te_npu.is_autocast_enabled()
+
+
+@pytest.mark.parametrize("enter", [
+    pytest.param(lambda r: te_npu.autocast(recipe=r), id="autocast"),
+    pytest.param(lambda r: te_npu.fp8_autocast(fp8_recipe=r), id="fp8_autocast"),
+    pytest.param(lambda r: te_npu.quantized_model_init(recipe=r), id="quantized_model_init"),
+    pytest.param(lambda r: te_npu.fp8_model_init(recipe=r), id="fp8_model_init"),
+])
+def test_unsupported_recipe_fails_at_entry_with_a_clear_error(enter):
+    class DelayedScaling:  # e.g. a Transformer Engine recipe object
+        pass
+
+    with pytest.raises(TypeError, match=r"recipe must be a te_npu recipe .*got .*DelayedScaling"):
+        enter(DelayedScaling())
+    assert not te_npu.is_autocast_enabled() and get_quantized_init_recipe() is None
+
+
+def test_fp8_autocast_takes_te_positional_order_and_refuses_calibration():
+    with te_npu.fp8_autocast(True, False, HiF8CurrentScalingRecipe()):  # TE: enabled, calibrating, fp8_recipe
+        assert te_npu.get_autocast_recipe() == HiF8CurrentScalingRecipe()
+    with pytest.raises(te_npu.ConfigError, match="calibrating"):
+        te_npu.fp8_autocast(calibrating=True)
+    with pytest.raises(te_npu.ConfigError, match="calibrating"):
+        te_npu.autocast(calibrating=True)
+    with pytest.raises(te_npu.ConfigError, match="_graph"):
+        te_npu.fp8_autocast(_graph=True)
+    assert te_npu.fp8_model_init is te_npu.quantized_model_init

@@ -108,3 +108,59 @@ def test_disabled_low_precision_never_imports_torch_npu():
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- issue 14: Transformer Engine's recipe names and fields ----------------------------------
+
+def test_te_mxfp8_block_scaling_is_the_mxfp8_recipe():
+    from te_npu import recipe
+
+    for made in (recipe.MXFP8BlockScaling(), recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3),
+                 recipe.MXFP8BlockScaling(0, "E4M3"), recipe.MXFP8BlockScaling(margin=0, fp8_dpa=False)):
+        assert made == MXFP8BlockRecipe() and type(made) is MXFP8BlockRecipe
+        assert hash(made) == hash(MXFP8BlockRecipe())
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("fp8_format", "HYBRID", "E4M3 for inputs, weights and gradients"),
+    ("fp8_format", "E5M2", "only Format.E4M3"),
+    ("margin", 1, "no delayed-scaling margin"),
+    ("fp8_dpa", True, "no FP8 attention"),
+    ("fp8_mha", True, "no FP8 attention"),
+    ("backward_override", "high_precision", "every backward GEMM runs in the recipe's format"),
+    ("enable_2d_quantization", True, "2D weight blocks are not implemented"),
+])
+def test_te_mxfp8_block_scaling_refuses_fields_without_meaning_here(field, value, reason):
+    from te_npu import recipe
+
+    if field == "fp8_format":
+        value = recipe.Format[value]
+    with pytest.raises(ConfigError, match=rf"MXFP8BlockScaling\.{field}: .*{reason}"):
+        recipe.MXFP8BlockScaling(**{field: value})
+
+
+def test_te_mxfp8_block_scaling_accepts_te_s_own_format_enum_by_name():
+    import enum
+
+    from te_npu import recipe
+
+    class TEFormat(enum.Enum):  # transformer_engine.common.recipe.Format's members hold helper objects
+        E4M3 = object()
+        HYBRID = object()
+
+    assert recipe.MXFP8BlockScaling(fp8_format=TEFormat.E4M3) == MXFP8BlockRecipe()
+    with pytest.raises(ConfigError, match="fp8_format"):
+        recipe.MXFP8BlockScaling(fp8_format=TEFormat.HYBRID)
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("DelayedScaling", "delayed scaling"),
+    ("Float8CurrentScaling", "HiF8CurrentScalingRecipe"),
+    ("Float8BlockScaling", "MXFP8BlockScaling"),
+    ("NVFP4BlockScaling", "FP4"),
+])
+def test_te_recipes_without_a5_counterpart_raise_with_reason(name, reason):
+    from te_npu import recipe
+
+    with pytest.raises(ConfigError, match=rf"{name} is not supported by te_npu: .*{reason}"):
+        getattr(recipe, name)(fp8_format=recipe.Format.HYBRID)

@@ -2,6 +2,7 @@
 quantized weights, state dicts, error naming, and the npu backend through the fake torch_npu."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -41,30 +42,42 @@ def test_te_linear_plain_path_is_f_linear(rand):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_te_linear_micro_batches_quantize_weight_once(recipe, rand):
+def test_te_linear_micro_batches_quantize_weight_per_forward_unless_is_first_microbatch(recipe, rand):
+    """TE's model: a high-precision weight is quantized by every forward by default; with
+    is_first_microbatch True then False it is quantized once per step."""
     torch.manual_seed(0)
     lin = te_npu.TELinear(64, 96)
-    events = []
-    with observe(events.append):
-        for _ in range(3):  # three micro-batches, gradients accumulate
-            with te_npu.autocast(recipe=recipe):
-                y = lin(rand(32, 64, requires_grad=True))
-            y.float().sum().backward()
-    assert len(_weight_quantizations(events, (96, 64))) == 1
+
+    def step(flags):
+        events = []
+        with observe(events.append):
+            for flag in flags:  # micro-batches, gradients accumulate
+                with te_npu.autocast(recipe=recipe):
+                    y = lin(rand(32, 64, requires_grad=True), is_first_microbatch=flag)
+                y.float().sum().backward()
+        return events
+
+    events = step([None, None, None])
+    assert len(_weight_quantizations(events, (96, 64))) == 3
     assert len([e for e in events if isinstance(e, GemmEvent)]) == 9
+    assert len(_weight_quantizations(step([True, False, False]), (96, 64))) == 1
     assert list(lin.state_dict()) == ["weight"] and not list(lin.buffers())
-    with torch.no_grad():  # an optimizer step updates in place -> version bump -> one re-quantization
+    with torch.no_grad():  # an optimizer step in place: the next step starts with True again
         lin.weight.add_(0.01)
-    events.clear()
-    with observe(events.append), te_npu.autocast(recipe=recipe):
-        lin(rand(32, 64))
-        lin(rand(32, 64))
-    assert len(_weight_quantizations(events, (96, 64))) == 1
+    assert len(_weight_quantizations(step([True, False]), (96, 64))) == 1
+    with torch.no_grad():  # ... and a False that sees the version change quantizes anyway
+        lin.weight.add_(0.01)
+    assert len(_weight_quantizations(step([False, False]), (96, 64))) == 1
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", ["dense", "grouped", "swiglu"])
-def test_te_modules_recompute_bitwise_without_weight_requantization(recipe, kind, rand):
+@pytest.mark.parametrize("checkpoint_fn", [te_npu.checkpoint, lambda *a: checkpoint(*a, use_reentrant=False)],
+                         ids=["te_npu.checkpoint", "torch.utils.checkpoint"])
+def test_te_modules_recompute_bitwise_and_its_weight_quantizations(recipe, kind, checkpoint_fn, rand):
+    """Recompute is bitwise the plain run. A high-precision weight costs one more quantization
+    per recomputed call by default (is_first_microbatch=None), none with True (the recompute
+    reuses what its forward kept) or False; a quantized weight never is quantized."""
     torch.manual_seed(0)
     if kind == "dense":
         module, x, extra = te_npu.TELinear(64, 96, bias=True), rand(2, 32, 64), ()
@@ -72,24 +85,31 @@ def test_te_modules_recompute_bitwise_without_weight_requantization(recipe, kind
         module, x, extra = te_npu.TEGroupedLinear(4, 64, 96), rand(100, 64), ([40, 0, 55, 5],)
     else:
         module, x, extra = te_npu.TEGroupedSwiGLUExperts(4, 64, 32), rand(100, 64), ([40, 0, 55, 5],)
+    weight_shapes = {tuple(p.shape) for p in module.parameters() if p.dim() >= 2}
+    weights = len(module._weight_names)
 
-    def run(use_checkpoint):
+    def run(use_checkpoint, flag=None):
         module.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
-        with te_npu.autocast(recipe=recipe):
-            y = checkpoint(module, xi, *extra, use_reentrant=False) if use_checkpoint else module(xi, *extra)
-        y.float().pow(2).sum().backward()
-        return xi.grad, [p.grad.clone() for p in module.parameters()]
+        events = []
+        with observe(events.append):
+            with te_npu.autocast(recipe=recipe):
+                if use_checkpoint:
+                    y = checkpoint_fn(functools.partial(module, is_first_microbatch=flag), xi, *extra)
+                else:
+                    y = module(xi, *extra, is_first_microbatch=flag)
+            y.float().pow(2).sum().backward()
+        quants = len([e for e in events if isinstance(e, QuantEvent) and e.shape in weight_shapes])
+        return xi.grad, [p.grad.clone() for p in module.parameters()], quants
 
-    run(False)  # warm the weight caches
-    events = []
-    with observe(events.append):
-        plain = run(False)
-        recomputed = run(True)
-    weight_shapes = {tuple(p.shape) for p in module.parameters() if p.dim() >= 2}
-    assert not [e for e in events if isinstance(e, QuantEvent) and e.shape in weight_shapes]
-    assert torch.equal(plain[0], recomputed[0])
-    assert all(torch.equal(a, b) for a, b in zip(plain[1], recomputed[1]))
+    plain = run(False)
+    for flag, extra_quantizations in ((None, weights), (True, 0), (False, 0)):
+        recomputed = run(True, flag)
+        assert torch.equal(plain[0], recomputed[0])
+        assert all(torch.equal(a, b) for a, b in zip(plain[1], recomputed[1]))
+        assert recomputed[2] == (0 if flag is False else weights) + extra_quantizations, flag
+    te_npu.quantize_weights_(module, recipe)
+    assert run(True)[2] == 0 and run(False)[2] == 0
     assert set(module.state_dict()) == {n for n, _ in module.named_parameters()} and not list(module.buffers())
 
 

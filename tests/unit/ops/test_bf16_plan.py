@@ -12,7 +12,7 @@ from te_npu.formats import Format
 from te_npu.numerics import hif8, mxfp8
 from te_npu.ops import emulation, low_precision_grouped_matmul, low_precision_matmul
 from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer
-from te_npu.tensor.operand import QuantizedOperand
+from te_npu.ops.operand import QuantizedOperand
 
 ORIENT = {"NT": ("row", "row"), "NN": ("row", "col"), "TN": ("col", "col")}
 E4M3_MIN_SUBNORMAL = 0x01  # 2**-9

@@ -70,10 +70,22 @@ def test_weight_copy_from_high_precision_requantizes(weight_kind, make_weight, a
     assert_same_payload(dst, cls.from_high_precision(w))
 
 
-def test_weight_copy_from_other_format_raises(make_weight):
+@pytest.mark.parametrize("src_cls, dst_cls", [(MXFP8Tensor, HiF8Tensor), (HiF8Tensor, MXFP8Tensor)],
+                         ids=["mxfp8_to_hif8", "hif8_to_mxfp8"])
+def test_weight_copy_from_other_format_goes_through_logical_values(src_cls, dst_cls, make_weight, assert_same_payload):
     w = make_weight(64, 64)
-    with pytest.raises(NotImplementedError, match="HiF8Tensor"):
-        MXFP8Tensor.from_high_precision(w).copy_(HiF8Tensor.from_high_precision(w))
+    src, dst = src_cls.from_high_precision(w), dst_cls.from_high_precision(make_weight(64, 64))
+    dst.copy_(src)
+    assert_same_payload(dst, dst_cls.from_high_precision(src.dequantize()))
+
+
+def test_weight_copy_into_high_precision_takes_dequantized_values(weight_kind, make_weight):
+    cls, shape = weight_kind
+    src = cls.from_high_precision(make_weight(*shape))
+    for dtype in (torch.bfloat16, torch.float32):
+        dst = torch.zeros(shape, dtype=dtype)
+        dst.copy_(src)
+        assert type(dst) is torch.Tensor and torch.equal(dst, src.dequantize(dtype))
 
 
 def test_weight_clone_and_device_move_keep_subclass(weight_kind, make_weight, assert_same_payload):
@@ -85,22 +97,31 @@ def test_weight_clone_and_device_move_keep_subclass(weight_kind, make_weight, as
         assert_same_payload(copy, t)
 
 
-def test_weight_dtype_cast_raises(weight_kind, make_weight):
+def test_weight_dtype_cast_returns_dequantized_plain_tensor(weight_kind, make_weight):
     cls, shape = weight_kind
     t = cls.from_high_precision(make_weight(*shape))
-    with pytest.raises(NotImplementedError, match=r"_to_copy.*dequantize"):
-        t.float()
+    for cast, dtype in ((lambda q: q.float(), torch.float32), (lambda q: q.to(torch.float16), torch.float16),
+                        (lambda q: q.double(), torch.float64)):
+        out = cast(t)
+        assert type(out) is torch.Tensor and out.dtype == dtype
+        assert torch.equal(out, t.dequantize(dtype))
+    assert t.bfloat16() is t  # the logical dtype already: PyTorch returns the tensor itself
+    wide = cls.from_high_precision(make_weight(*shape, dtype=torch.float32))
+    assert type(wide.bfloat16()) is torch.Tensor and torch.equal(wide.bfloat16(), wide.dequantize(torch.bfloat16))
 
 
 @pytest.mark.parametrize(
     "op, pattern",
     [
-        pytest.param(lambda t: t + 1, r"aten\.add\.Tensor", id="add"),
-        pytest.param(lambda t: t.sum(), r"aten\.sum\.default", id="sum"),
+        pytest.param(lambda t: t[0], r"aten\.select\.int", id="index"),
+        pytest.param(lambda t: t.unsqueeze(0), r"aten\.unsqueeze\.default", id="unsqueeze"),
+        pytest.param(lambda t: t.exp(), r"aten\.exp\.default", id="exp"),
         pytest.param(lambda t: t.t() if t.dim() == 2 else t.transpose(1, 2), r"aten\.(t\.default|transpose\.int)", id="transpose"),
         pytest.param(lambda t: t.reshape(-1, 8), r"aten\.view\.default", id="reshape"),
         pytest.param(lambda t: torch.split(t, 16, dim=1), "along dim 1", id="split_dim1"),
-        pytest.param(lambda t: t.mul_(2), r"aten\.mul_\.Tensor", id="mul_"),
+        pytest.param(lambda t: t.masked_fill_(torch.ones(t.shape, dtype=torch.bool), 0), r"aten\.masked_fill_",
+                     id="masked_fill_"),
+        pytest.param(lambda t: torch.cat([t, t], dim=1), r"aten\.cat\.default", id="cat"),
     ],
 )
 def test_weight_unsupported_op_raises_naming_it(weight_kind, make_weight, op, pattern):
