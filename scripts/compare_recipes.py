@@ -187,7 +187,8 @@ def profile_worker(args) -> int:
     run_dir = Path(args.profile_dir)
     steps = args.profile_warmup + args.profile_steps
     cfg = load_config(REPO / "recipes" / f"dsv3_tiny_{args.profile_worker}.yaml",
-                      run_overrides(args, args.profile_worker, run_dir, steps, eval_interval=0))
+                      run_overrides(args, args.profile_worker, run_dir, steps, eval_interval=0),
+                      model_section=DeepseekV3Task.model_section)
     trainer = Trainer(DeepseekV3Task(), print_fn=lambda *_: None)
     try:
         trainer.setup(cfg)

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     from te_npu.training.config import load_config
     from te_npu.training.hf_convert import dcp_to_hf, hf_to_dcp
 
-    cfg = load_config(args.config, args.overrides)  # config errors surface before any rank starts work
+    # config errors (the model section's too) surface before any rank starts work
+    cfg = load_config(args.config, args.overrides, model_section=DeepseekV3Task.model_section)
     owns_group = not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if owns_group:
         dist.init_process_group("gloo")

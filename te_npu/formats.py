@@ -109,9 +109,12 @@ class FormatSpec:
         ``[E, N, K]`` tensor with ``per_expert_scale``, else 0 (one scale for the tensor)."""
         return 1 if self.per_expert_scale and ndim == 3 else 0
 
-    def amax_dims(self, ndim: int) -> tuple[int, ...]:
-        """Dims an amax reduces over for this format's per-tensor scale (all but the experts)."""
-        return tuple(range(self.scale_groups(ndim), ndim))
+    def amax(self, tensor: torch.Tensor) -> torch.Tensor:
+        """FP32 amax of each scale group of a per-tensor format: ``[]`` for a 1D/2D tensor,
+        ``[E]`` for a per-expert 3D ``[E, N, K]`` one (all dims but the experts). Detached;
+        a NaN anywhere in a group makes its amax NaN (and so its current scale 1.0)."""
+        dims = tuple(range(self.scale_groups(tensor.dim()), tensor.dim()))
+        return tensor.detach().abs().float().amax(dim=dims)
 
     def canonical_scale_shape(self, shape, orientation: str, num_blocks: int | None = None) -> tuple[int, ...]:
         """Canonical scale shape of an operand with data ``shape``.

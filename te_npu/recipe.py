@@ -132,25 +132,30 @@ _ALLOWED_FORMATS = ("mxfp8_e4m3", "hif8")
 _ALLOWED_SCALINGS = {"mxfp8_e4m3": ("mx_block",), "hif8": ("current",)}
 
 
-def recipe_from_config(config: Mapping[str, Any] | None, *, path: str = "low_precision") -> Recipe | None:
+def recipe_from_config(
+    config: Mapping[str, Any] | None, *, path: str = "low_precision", check_disabled: bool = False
+) -> Recipe | None:
     """Parse a ``low_precision`` config section into a recipe, or None when disabled.
 
     Accepts exactly ``{enabled, format, scaling}`` with the combinations
     ``mxfp8_e4m3 + mx_block`` and ``hif8 + current``. Anything else raises ``ConfigError``
     naming the key path (``path``) and the allowed values. ``enabled: false`` returns None
-    without looking at the other fields' support and without touching torch_npu.
+    without looking at the other fields' support (unless ``check_disabled``: the training
+    config refuses an unsupported combination even when it is switched off) and without
+    touching torch_npu. The one statement of these rules (spec section 15).
     """
     if config is None:
         return None
     if not isinstance(config, Mapping):
         raise ConfigError(f"{path}: expected a mapping, got {type(config).__name__}")
-    unknown = sorted(set(config) - set(_ALLOWED_KEYS))
+    unknown = [str(k) for k in config if k not in _ALLOWED_KEYS]
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown}; allowed keys are {list(_ALLOWED_KEYS)}")
+        names = ", ".join(f"{path}.{k}" for k in unknown)
+        raise ConfigError(f"{names}: unknown key; allowed keys under {path} are {sorted(_ALLOWED_KEYS)}")
     enabled = config.get("enabled", False)
     if not isinstance(enabled, bool):
         raise ConfigError(f"{path}.enabled: expected true or false, got {enabled!r}")
-    if not enabled:
+    if not enabled and not check_disabled:
         return None
     fmt = config.get("format", "mxfp8_e4m3")
     if fmt not in _ALLOWED_FORMATS:
@@ -161,7 +166,7 @@ def recipe_from_config(config: Mapping[str, Any] | None, *, path: str = "low_pre
             f"{path}.scaling: {scaling!r} is not supported with format {fmt!r}; "
             f"allowed values are {list(_ALLOWED_SCALINGS[fmt])}"
         )
-    return _RECIPES_BY_FORMAT_AND_SCALING[(fmt, scaling)]()
+    return _RECIPES_BY_FORMAT_AND_SCALING[(fmt, scaling)]() if enabled else None
 
 
 def _require(ok: bool, field: str, value: Any, allowed: list) -> None:

@@ -16,34 +16,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.deepseek_v3.config import DSV3_16B, DSV3_TINY, DeepseekV3Config, from_hf_config, to_hf_config_dict, validate_16b
+from models.deepseek_v3.config import DeepseekV3Config, validate_16b
 from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter
 from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, low_precision_scope, materialize_
+from models.deepseek_v3.model_section import DeepseekV3ModelSection
 from te_npu.ops.emulation import QUANT_KERNEL_ENV
 from te_npu.training.config import TrainConfig, load_config
 from te_npu.training.job import StopRequest, launch_env, run_job
 from te_npu.training.trainer import Trainer
 
-__all__ = ["DeepseekV3Task", "model_config", "choose_quant_kernel", "main"]
+__all__ = ["DeepseekV3Task", "model_section_of", "model_config", "choose_quant_kernel", "main"]
 
-_PRESETS = {"dsv3_16b": DSV3_16B, "dsv3_tiny": DSV3_TINY}
+
+def model_section_of(cfg: TrainConfig) -> DeepseekV3ModelSection:
+    """The config's ``model`` section, checked as DeepSeek-V3's (a config loaded without it included)."""
+    return cfg.with_model_section(DeepseekV3ModelSection).model
 
 
 def model_config(cfg: TrainConfig) -> DeepseekV3Config:
     """The ``model`` section -> ``DeepseekV3Config`` (preset or HF config.json, then overrides)."""
-    m = cfg.model
-    source = to_hf_config_dict(_PRESETS[m.preset]) if m.preset is not None else m.hf_config
-    return from_hf_config(source, dict(m.overrides))
+    return model_section_of(cfg).model_config()
 
 
 class DeepseekV3Task:
     """``TrainTask`` for ``DeepseekV3ForCausalLM``."""
 
+    model_section = DeepseekV3ModelSection
+
     def build(self, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
         return DeepseekV3ForCausalLM(model_config(cfg), dtype=dtype)
 
     def validate(self, model: nn.Module, cfg: TrainConfig) -> None:
-        if cfg.model.validate_16b:
+        if model_section_of(cfg).validate_16b:
             validate_16b(model)
 
     def materialize(self, model: nn.Module, *, seed: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body(stop: StopRequest) -> None:
-        cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before any model
+        # every config error surfaces here, before any model: the model section's too
+        cfg = load_config(args.config, args.overrides, model_section=DeepseekV3ModelSection)
         trainer = Trainer(DeepseekV3Task(), stop=stop)
         try:
             trainer.setup(cfg)

@@ -19,7 +19,7 @@ so ``state_dict`` holds exactly the parameters (no ``_extra_state``; recipes are
 from __future__ import annotations
 
 import warnings
-from typing import ClassVar, Mapping
+from typing import Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -122,6 +122,41 @@ class TEModule(nn.Module):
                 attach_high_precision_init_val(quantized, weight.detach().cpu())
             setattr(self, name, quantized)
             self._weight_caches[name].clear()
+
+    # ---- construction ------------------------------------------------------------------------
+    def _init_parameters(
+        self,
+        shapes: Mapping[str, tuple[int, ...] | None],
+        *,
+        params_dtype: torch.dtype,
+        device: torch.device | str | None,
+        init_method: Callable[[torch.Tensor], None] | None,
+    ) -> None:
+        """The constructor body every TE module shares: register ``shapes`` (name -> shape, in
+        this order; None leaves that attribute None, e.g. an absent bias) as ``params_dtype``
+        parameters on ``device``, initialise them (:meth:`reset_parameters`), then quantize them
+        when built inside ``quantized_model_init``."""
+        self.init_method = init_method
+        for name, shape in shapes.items():
+            value = None if shape is None else nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
+            setattr(self, name, value)
+        self.reset_parameters()
+        self._finish_init()
+
+    def reset_parameters(self) -> None:
+        """Initialise each GEMM weight (``_weight_names``, in order) with ``init_method``, else the
+        module's default (:meth:`_default_init`), and a bias to zero; a meta module is left alone."""
+        if self._device().type == "meta":
+            return
+        for name in self._weight_names:
+            (self.init_method or self._default_init)(getattr(self, name))
+        bias = getattr(self, "bias", None)
+        if bias is not None:
+            nn.init.zeros_(bias)
+
+    def _default_init(self, weight: torch.Tensor) -> None:
+        """Initialise one GEMM weight in place when no ``init_method`` is given."""
+        raise NotImplementedError(f"{type(self).__name__} defines no default weight init")
 
     def _finish_init(self) -> None:
         """Constructor tail: quantize the weights when built inside ``quantized_model_init``.

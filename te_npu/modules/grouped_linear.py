@@ -61,20 +61,13 @@ class TEGroupedLinear(TEModule):
         self.num_gemms = num_gemms
         self.in_features = in_features
         self.out_features = out_features
-        self.init_method = init_method
-        self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, dtype=params_dtype, device=device))
-        self.reset_parameters()
-        self._finish_init()
+        self._init_parameters({"weight": (num_gemms, out_features, in_features)},
+                              params_dtype=params_dtype, device=device, init_method=init_method)
 
-    def reset_parameters(self) -> None:
-        """Initialise with ``init_method`` or per-expert Kaiming-uniform."""
-        if self.weight.is_meta:
-            return
-        if self.init_method is not None:
-            self.init_method(self.weight)
-        else:
-            bound = 1.0 / math.sqrt(self.in_features)
-            nn.init.uniform_(self.weight, -bound, bound)
+    def _default_init(self, weight: torch.Tensor) -> None:
+        """Per-expert Kaiming-uniform: U(-1/sqrt(in), 1/sqrt(in))."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        nn.init.uniform_(weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
                 is_first_microbatch: bool | None = None) -> torch.Tensor:
@@ -122,25 +115,15 @@ class TEGroupedSwiGLUExperts(TEModule):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.init_method = init_method
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=params_dtype, device=device)
+        self._init_parameters(
+            {"gate_up_proj": (num_experts, 2 * intermediate_size, hidden_size),
+             "down_proj": (num_experts, hidden_size, intermediate_size)},
+            params_dtype=params_dtype, device=device, init_method=init_method,
         )
-        self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=params_dtype, device=device)
-        )
-        self.reset_parameters()
-        self._finish_init()
 
-    def reset_parameters(self) -> None:
-        """Initialise both stacks with ``init_method`` (default normal(0, 0.02))."""
-        if self.gate_up_proj.is_meta:
-            return
-        for weight in (self.gate_up_proj, self.down_proj):
-            if self.init_method is not None:
-                self.init_method(weight)
-            else:
-                nn.init.normal_(weight, std=0.02)
+    def _default_init(self, weight: torch.Tensor) -> None:
+        """normal(0, 0.02), for both stacks."""
+        nn.init.normal_(weight, std=0.02)
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
                 is_first_microbatch: bool | None = None) -> torch.Tensor:

@@ -44,23 +44,13 @@ class TELinear(TEModule):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.init_method = init_method
         self.return_bias = return_bias
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype, device=device)) if bias else None
-        self.reset_parameters()
-        self._finish_init()
+        self._init_parameters({"weight": (out_features, in_features), "bias": (out_features,) if bias else None},
+                              params_dtype=params_dtype, device=device, init_method=init_method)
 
-    def reset_parameters(self) -> None:
-        """Initialise with ``init_method`` (default: ``nn.Linear``'s Kaiming-uniform); bias to zero."""
-        if self.weight.is_meta:
-            return
-        if self.init_method is not None:
-            self.init_method(self.weight)
-        else:
-            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+    def _default_init(self, weight: torch.Tensor) -> None:
+        """``nn.Linear``'s Kaiming-uniform (the bias, if any, starts at zero)."""
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None):
         """x: ``[..., in_features]`` -> ``[..., out_features]`` (``(out, bias)`` with ``return_bias``).

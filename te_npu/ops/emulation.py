@@ -301,18 +301,13 @@ def mxfp8_quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_siz
     return mxfp8.quantize_grouped(x, group_sizes, block_size, scale_alg)
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """FP32 amax: ``[]`` for 1D/2D, ``[E]`` per leading group of a 3D weight (NaN propagates)."""
-    return x.detach().abs().float().amax(dim=spec(Format.HIF8).amax_dims(x.dim()))
-
-
 def hif8_quantize(x: torch.Tensor, format_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Current scaling: returns (codes uint8, scale fp32 [] or [E], amax)."""
     if quant_kernel(x) == "native" and x.numel() > 0:
         from te_npu.numerics import native_cpu
 
         return native_cpu.hif8_current_quantize(x, format_max, per_group=spec(Format.HIF8).scale_groups(x.dim()) == 1)
-    current_amax = amax(x)
+    current_amax = spec(Format.HIF8).amax(x)
     scale = hif8.current_scale(current_amax, format_max)
     return hif8_quantize_with_scale(x, scale), scale, current_amax
 

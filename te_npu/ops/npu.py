@@ -229,7 +229,7 @@ def hif8_quantize(x: torch.Tensor, format_max: float):
         zero = scale == 0
         return codes.view(torch.uint8).masked_fill_(zero, 0), scale.masked_fill(zero, 1.0).reshape(()), None
     _require_float(x, _MX_INPUTS, "HiF8 quantization")
-    amax = x.detach().abs().float().amax(dim=hif8_spec.amax_dims(x.dim()))
+    amax = hif8_spec.amax(x)
     scale = hif8.current_scale(amax, format_max)
     return hif8_quantize_with_scale(x, scale), scale, amax
 

@@ -14,12 +14,9 @@ from te_npu.ops.operand import QuantizedOperand
 __all__ = ["HiF8Quantizer", "hif8_amax"]
 
 
-def hif8_amax(tensor: torch.Tensor) -> torch.Tensor:
-    """FP32 amax: ``[]`` for a 1D/2D tensor, ``[E]`` per leading group of a 3D weight ``[E, N, K]``.
-
-    NaN anywhere in a group makes its amax NaN (and so its scale 1.0).
-    """
-    return tensor.detach().abs().float().amax(dim=spec(Format.HIF8).amax_dims(tensor.dim()))
+hif8_amax = spec(Format.HIF8).amax
+"""The HiF8 current-scaling amax (``te_npu.formats.FormatSpec.amax``, its one definition):
+FP32 ``[]`` for a 1D/2D tensor, ``[E]`` per expert of a 3D weight ``[E, N, K]``."""
 
 
 @dataclass(frozen=True)

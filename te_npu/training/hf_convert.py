@@ -38,6 +38,7 @@ def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: s
               max_shard_mb: int = 5000, per_expert: bool = True, overwrite: bool = False,
               progress: bool = True) -> HFWriteReport:
     """Export the DCP step ``checkpoint_dir`` refers to (``latest`` or a step directory) to ``out``."""
+    cfg = cfg.with_model_section(task.model_section)
     path = checkpoint.latest_checkpoint(checkpoint_dir)
     adapter = hf_weights.hf_adapter_of(task, cfg, where="model")
     with torch.device("meta"):
@@ -74,6 +75,7 @@ resumes from it reads its data from the start and keeps its seeded RNG)."""
 
 def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool = True) -> str:
     """Write the HF directory ``hf_dir`` as a te_npu DCP checkpoint at step 0 in ``out``; returns its path."""
+    cfg = cfg.with_model_section(task.model_section)
     adapter = hf_weights.hf_adapter_of(task, cfg, where="model")
     hf = hf_weights.open_initial_checkpoint(hf_dir, adapter)
     param_dtype = _DTYPES[cfg.training.param_dtype]

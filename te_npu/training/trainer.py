@@ -41,7 +41,6 @@ from te_npu.distributed import (
     finalize_low_precision_weights,
     record_gathers,
     shard_model,
-    validate_parallel_config,
 )
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.distributed.sharding import TE_MODULE_TYPES
@@ -61,11 +60,16 @@ from te_npu.training.schedule import lr_at
 __all__ = ["TrainTask", "Trainer", "StepRecord"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
 class TrainTask(Protocol):
     """How to build and score one model family."""
+
+    model_section: type
+    """Schema of the config's ``model`` section: a frozen dataclass built by
+    ``te_npu.training.schema`` (types, ranges, unknown keys), whose ``__post_init__`` checks the
+    model's own rules. ``load_config(..., model_section=...)`` applies it at load; otherwise
+    ``Trainer.setup`` does, before anything else (``TrainConfig.with_model_section``)."""
 
     def build(self, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
         """Construct the model; called under ``torch.device("meta")`` (must allocate nothing)."""
@@ -139,9 +143,9 @@ class Trainer:
             raise
 
     def _setup(self, cfg: TrainConfig) -> Trainer:
+        cfg = cfg.with_model_section(self.task.model_section)  # the task's model rules, before anything else
         self.cfg, t = cfg, cfg.training
         self.recipe = cfg.low_precision.recipe
-        validate_parallel_config(comm_fusion=cfg.fsdp_config.comm_fusion)
         self._preflight()  # device, the resume step: checks every rank makes alike, before any process group
         c = cfg.checkpoint
         hf_start = self._open_initial_hf(cfg) if c.initial_load_path and self._resume_path is None else None
@@ -269,9 +273,8 @@ class Trainer:
     def _init_distributed(self) -> None:
         t, env = self.cfg.training, launch_env()
         device_type = t.device  # torch_npu was imported by the preflight device check
-        backend = _BACKENDS[device_type] if t.backend == "auto" else t.backend
         if not dist.is_initialized() and env.world_size > 1:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=t.resolved_backend)
             self._owns_process_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1

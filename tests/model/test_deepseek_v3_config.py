@@ -1,11 +1,16 @@
-"""DeepseekV3Config: HF config.json reading, overrides and unsupported-field errors."""
+"""DeepseekV3Config: HF config.json reading, overrides and unsupported-field errors; the training
+config's ``model`` section (``models.deepseek_v3.model_section``)."""
 import json
+from pathlib import Path
 
 import pytest
 
 import te_npu
 from models.deepseek_v3 import DSV3_16B, DSV3_TINY, from_hf_config
 from models.deepseek_v3.config import to_hf_config_dict
+from models.deepseek_v3.model_section import HF_DEEPSEEK_V3_FIELDS
+from models.deepseek_v3.pretrain import DeepseekV3Task, model_config
+from te_npu.training.config import load_config
 
 
 def test_config_from_hf_json_round_trip(tmp_path):
@@ -45,3 +50,53 @@ def test_config_unsupported_field_fails_naming_it(field, value):
 def test_config_unknown_key_fails():
     with pytest.raises(te_npu.ConfigError, match="hidden_sise"):
         from_hf_config(to_hf_config_dict(DSV3_TINY), overrides={"hidden_sise": 64})
+
+
+# ---- the `model` section of a training config (DeepseekV3Task.model_section) --------------------
+
+TINY_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "dsv3_tiny_mxfp8.yaml"
+
+
+def _load(*overrides):
+    return load_config(TINY_RECIPE, list(overrides), model_section=DeepseekV3Task.model_section)
+
+
+def test_model_section_hf_override_fields_exist_in_transformers():
+    transformers = pytest.importorskip("transformers", reason="cross-check needs transformers")
+    import inspect
+
+    hf_cls = transformers.DeepseekV3Config
+    known = set(inspect.signature(hf_cls.__init__).parameters) | set(hf_cls().to_dict())
+    legacy = {"rope_theta", "rope_scaling", "num_nextn_predict_layers"}
+    assert HF_DEEPSEEK_V3_FIELDS - legacy <= known
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ("model.overrides.num_nextn_predict_layers=1", r"model \(model\.preset 'dsv3_tiny' \+ model\.overrides\): "
+                                                   r"DeepseekV3Config\.num_nextn_predict_layers=1: MTP"),
+    ("model.overrides.tie_word_embeddings=true", r"DeepseekV3Config\.tie_word_embeddings=True"),
+    ("model.overrides.hidden_act=gelu", r"DeepseekV3Config\.hidden_act='gelu'"),
+    ("model.overrides.n_group=3", r"DeepseekV3Config\.n_group=3: must divide n_routed_experts=8"),
+], ids=["mtp", "tied", "gelu", "n_group"])
+def test_model_section_unsupported_model_fails_at_load(override, match):
+    """What the model code would refuse at build time is refused when the config loads."""
+    with pytest.raises(te_npu.ConfigError, match=match) as info:
+        _load(override)
+    assert "\n" not in str(info.value)
+
+
+def test_model_section_unreadable_hf_config_is_a_config_error(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(te_npu.ConfigError, match=r"model\.hf_config: cannot read .*"):
+        _load("model.preset=null", f"model.hf_config={tmp_path}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(te_npu.ConfigError, match=r"model \(model\.hf_config .*\): DeepseekV3Config\.model_type"):
+        _load("model.preset=null", f"model.hf_config={tmp_path}")
+
+
+def test_model_section_resolves_to_the_model_config():
+    cfg = _load("model.overrides={num_hidden_layers: 2, vocab_size: 512}")
+    assert model_config(cfg) == DSV3_TINY.replace(num_hidden_layers=2, vocab_size=512)
+    assert cfg.model.validate_16b is False and cfg.model.model_config() == model_config(cfg)
+    # a config loaded without the section: the task applies it on first use
+    assert model_config(load_config(TINY_RECIPE)) == DSV3_TINY

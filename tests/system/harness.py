@@ -69,9 +69,11 @@ def st_overrides(fmt: str, workdir: str | os.PathLike, data_dir: str | os.PathLi
 
 
 def st_config(fmt: str, workdir, data_dir, *extra: str):
+    from models.deepseek_v3.pretrain import DeepseekV3Task
     from te_npu.training.config import load_config
 
-    return load_config(RECIPES[fmt], st_overrides(fmt, workdir, data_dir, *extra))
+    return load_config(RECIPES[fmt], st_overrides(fmt, workdir, data_dir, *extra),
+                       model_section=DeepseekV3Task.model_section)
 
 
 # ---- probe --------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ ILLEGAL = [
     ("checkpoint.format=torch_save", "checkpoint.format"),
     ("checkpoint.format=safetensors", "checkpoint.format"),
     ("activation_checkpoint.mode=selective", "activation_checkpoint.mode"),
+    ("model.preset=dsv3_671b", "model.preset"),  # the model task's section (spec 15: frozen 16B structure)
+    ("model.overrides.num_nextn_predict_layers=1", "num_nextn_predict_layers"),
 ]
 
 
@@ -54,7 +56,8 @@ def _overrides(tmp_path, data_dir, *extra):
 @pytest.mark.parametrize("override, key", ILLEGAL, ids=[o.split("=")[0] + "=" + o.split("=", 1)[1][:24] for o, _ in ILLEGAL])
 def test_q3_10_illegal_config_fails_in_load_config(tmp_path, capsys, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data", override))
+        load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data", override),
+                    model_section=DeepseekV3Task.model_section)
     # the production entry fails the same way, before a Trainer exists: one line, exit code 2
     argv = ["--config", str(H.RECIPES["mxfp8"]), *_overrides(tmp_path, tmp_path / "data", override)]
     assert main(argv) == 2
@@ -68,6 +71,15 @@ def _setup_error(cfg, task) -> str:
         Trainer(task, print_fn=lambda *_: None).setup(cfg)
     assert task.builds == 0, "the model was built before the configuration error"
     return str(info.value)
+
+
+@pytest.mark.parametrize("override, key", [("model.preset=dsv3_671b", "model.preset"),
+                                           ("model.validate_16b=true", "model.validate_16b")])
+def test_q3_10_model_section_loaded_as_written_fails_in_setup_before_build(tmp_path, counting_task, override, key):
+    """A config loaded without the task's model section: ``setup`` applies it before anything else."""
+    cfg = load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data", override))
+    assert key in _setup_error(cfg, counting_task)
+    assert not (tmp_path / "logs").exists()
 
 
 def test_q3_10_dp_shard_size_must_match_world_size(tmp_path, counting_task, monkeypatch):

@@ -1,4 +1,8 @@
-"""Config schema: every illegal row fails before any model is built, naming its key path."""
+"""Config schema: every illegal row fails before any model is built, naming its key path.
+
+The recipes are DeepSeek-V3's, so they load with its ``model`` section (``load``), as the
+production entry loads them; ``load_config`` without one keeps that section as written.
+"""
 import dataclasses
 import subprocess
 import sys
@@ -6,12 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from te_npu import ConfigError, HiF8CurrentScalingRecipe, MXFP8BlockRecipe
-from te_npu.training.config import HF_DEEPSEEK_V3_FIELDS, load_config, yaml_load
+from models.deepseek_v3.model_section import DeepseekV3ModelSection
+from te_npu import ConfigError, HiF8CurrentScalingRecipe, MXFP8BlockRecipe, recipe_from_config
+from te_npu.distributed import validate_parallel_config
+from te_npu.training.config import BACKENDS_BY_DEVICE, TrainingConfig, load_config
+from te_npu.training.schema import yaml_load
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = sorted((REPO / "recipes").glob("dsv3_*.yaml"))
 TINY = REPO / "recipes" / "dsv3_tiny_mxfp8.yaml"
+
+
+def load(source, overrides=None):
+    """``load_config`` as ``models.deepseek_v3.pretrain`` calls it (the task's model section)."""
+    return load_config(source, overrides, model_section=DeepseekV3ModelSection)
+
 
 # (override, key path the error must name): spec section 15 rows and schema rules
 ILLEGAL = [
@@ -59,7 +72,7 @@ ILLEGAL = [
 @pytest.mark.parametrize(("override", "path"), ILLEGAL, ids=[o for o, _ in ILLEGAL])
 def test_config_illegal_value_names_key_path(override, path):
     with pytest.raises(ConfigError, match=path.replace(".", r"\.")):
-        load_config(TINY, [override])
+        load(TINY, [override])
 
 
 TYPE_ERRORS = [
@@ -78,7 +91,7 @@ TYPE_ERRORS = [
 @pytest.mark.parametrize(("override", "path", "expected"), TYPE_ERRORS, ids=[o for o, *_ in TYPE_ERRORS])
 def test_config_wrong_type_names_key_path(override, path, expected):
     with pytest.raises(ConfigError, match=rf"{path.replace('.', '[.]')}: expected .*{expected}"):
-        load_config(TINY, [override])
+        load(TINY, [override])
 
 
 @pytest.mark.parametrize(
@@ -87,18 +100,18 @@ def test_config_wrong_type_names_key_path(override, path, expected):
 )
 def test_config_unknown_key_fails_at_any_depth(override, path):
     with pytest.raises(ConfigError, match=rf"{path.replace('.', '[.]')}: unknown key"):
-        load_config(TINY, [override])
+        load(TINY, [override])
 
 
 def test_config_unknown_nested_key_in_yaml_file(tmp_path):
     text = TINY.read_text().replace("  comm_fusion: false\n", "  comm_fusion: false\n  bucket_mb: 25\n")
     (tmp_path / "c.yaml").write_text(text)
     with pytest.raises(ConfigError, match=r"fsdp_config\.bucket_mb: unknown key"):
-        load_config(tmp_path / "c.yaml")
+        load(tmp_path / "c.yaml")
 
 
 def test_config_overrides_are_yaml_typed():
-    cfg = load_config(
+    cfg = load(
         TINY,
         [
             "training.train_steps=10",
@@ -120,7 +133,7 @@ def test_config_overrides_are_yaml_typed():
 @pytest.mark.parametrize("bad", ["training.lr", "=3", "training..lr=3", "training.lr.x=3"])
 def test_config_malformed_override_fails(bad):
     with pytest.raises(ConfigError):
-        load_config(TINY, [bad])
+        load(TINY, [bad])
 
 
 def test_config_yaml_12_scalars():
@@ -131,18 +144,18 @@ def test_config_yaml_12_scalars():
 
 def test_config_unquoted_off_is_recompute_off(tmp_path):
     (tmp_path / "c.yaml").write_text(TINY.read_text().replace('mode: "off"', "mode: off"))
-    assert load_config(tmp_path / "c.yaml").activation_checkpoint.mode == "off"
+    assert load(tmp_path / "c.yaml").activation_checkpoint.mode == "off"
 
 
 def test_config_input_dict_not_mutated():
     raw = yaml_load(TINY.read_text())
     snapshot = repr(raw)
-    load_config(raw, ["training.train_steps=3", "model.overrides.vocab_size=512"])
+    load(raw, ["training.train_steps=3", "model.overrides.vocab_size=512"])
     assert repr(raw) == snapshot
 
 
 def test_config_is_frozen():
-    cfg = load_config(TINY)
+    cfg = load(TINY)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.training.lr = 1.0
     with pytest.raises(TypeError):
@@ -151,8 +164,8 @@ def test_config_is_frozen():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_config_recipe_loads_and_round_trips(path):
-    cfg = load_config(path)
-    assert load_config(cfg.to_dict()) == cfg
+    cfg = load(path)
+    assert load(cfg.to_dict()) == cfg
     expected = {"bf16": None, "mxfp8": MXFP8BlockRecipe(), "hif8": HiF8CurrentScalingRecipe()}[path.stem.split("_")[-1]]
     assert cfg.low_precision.recipe == expected
     assert cfg.checkpoint.format == "dcp" and not cfg.fsdp_config.comm_fusion
@@ -163,7 +176,7 @@ def test_config_recipes_count_and_variants_differ_only_in_low_precision():
     for size in ("16b", "tiny"):
         dicts = []
         for variant in ("bf16", "mxfp8", "hif8"):
-            d = load_config(REPO / "recipes" / f"dsv3_{size}_{variant}.yaml").to_dict()
+            d = load(REPO / "recipes" / f"dsv3_{size}_{variant}.yaml").to_dict()
             d.pop("low_precision")
             for section in ("checkpoint", "logging"):  # run directories embed the run name
                 d[section]["dir"] = d[section]["dir"].replace(f"dsv3_{size}_{variant}", "<run>")
@@ -172,7 +185,7 @@ def test_config_recipes_count_and_variants_differ_only_in_low_precision():
 
 
 def test_config_recipe_sizes():
-    big, tiny = load_config(REPO / "recipes/dsv3_16b_mxfp8.yaml"), load_config(TINY)
+    big, tiny = load(REPO / "recipes/dsv3_16b_mxfp8.yaml"), load(TINY)
     assert (big.model.preset, big.model.validate_16b, big.fsdp_config.dp_shard_size) == ("dsv3_16b", True, 8)
     assert (big.training.device, big.training.resolved_backend, big.training.seq_len) == ("npu", "hccl", 4096)
     assert big.data.kind == "bin" and big.training.lr == 4.2e-4 and big.training.warmup_steps == 2000
@@ -196,30 +209,20 @@ def test_config_load_does_not_touch_npu_or_models():
 
 def test_config_hf_config_file(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    cfg = load_config(TINY, ["model.preset=null", f"model.hf_config={tmp_path}"])
+    cfg = load(TINY, ["model.preset=null", f"model.hf_config={tmp_path}"])
     assert cfg.model.hf_config == str(tmp_path) and cfg.model.validate_16b is False
-
-
-def test_config_hf_override_fields_exist_in_transformers():
-    transformers = pytest.importorskip("transformers", reason="cross-check needs transformers")
-    import inspect
-
-    hf_cls = transformers.DeepseekV3Config
-    known = set(inspect.signature(hf_cls.__init__).parameters) | set(hf_cls().to_dict())
-    legacy = {"rope_theta", "rope_scaling", "num_nextn_predict_layers"}
-    assert HF_DEEPSEEK_V3_FIELDS - legacy <= known
 
 
 def test_config_load_step_needs_resume():
     with pytest.raises(ConfigError, match=r"checkpoint\.load_step: 4 needs checkpoint\.resume"):
-        load_config(TINY, ["checkpoint.resume=false", "checkpoint.load_step=4"])
-    assert load_config(TINY, ["checkpoint.load_step=4"]).checkpoint.load_step == 4
+        load(TINY, ["checkpoint.resume=false", "checkpoint.load_step=4"])
+    assert load(TINY, ["checkpoint.load_step=4"]).checkpoint.load_step == 4
 
 
 def test_config_token_rule_only_for_block_formats():
-    assert load_config(TINY, ["training.seq_len=33", "low_precision.enabled=false"]).training.seq_len == 33
+    assert load(TINY, ["training.seq_len=33", "low_precision.enabled=false"]).training.seq_len == 33
     hif8 = "low_precision={enabled: true, format: hif8, scaling: current}"
-    assert load_config(TINY, ["training.seq_len=33", hif8]).training.seq_len == 33
+    assert load(TINY, ["training.seq_len=33", hif8]).training.seq_len == 33
 
 
 @pytest.mark.parametrize(("text", "match"), [
@@ -230,11 +233,50 @@ def test_config_token_rule_only_for_block_formats():
 def test_config_bad_files_are_one_line_config_errors(tmp_path, text, match):
     (tmp_path / "c.yaml").write_text(text)
     with pytest.raises(ConfigError, match=match) as info:
-        load_config(tmp_path / "c.yaml")
+        load(tmp_path / "c.yaml")
     assert "\n" not in str(info.value)
 
 
 def test_config_file_without_training_section_uses_defaults(tmp_path):
     (tmp_path / "c.yaml").write_text("model:\n  preset: dsv3_tiny\n")
-    cfg = load_config(tmp_path / "c.yaml")
+    cfg = load(tmp_path / "c.yaml")
     assert cfg.training.device == "cpu" and cfg.checkpoint.verify_checksums and not cfg.checkpoint.save_on_sigterm
+
+
+def test_config_without_model_section_keeps_it_as_written():
+    cfg = load_config(TINY, ["model.preset=dsv3_671b"])  # nothing here knows which presets exist
+    assert dict(cfg.model) == {"preset": "dsv3_671b", "overrides": {}}
+    assert load_config(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match=r"model\.preset: expected 'dsv3_16b' or 'dsv3_tiny' or null, got 'dsv3_671"):
+        cfg.with_model_section(DeepseekV3ModelSection)
+    typed = load_config(TINY).with_model_section(DeepseekV3ModelSection)
+    assert typed == load(TINY) and typed.with_model_section(DeepseekV3ModelSection) is typed
+
+
+@pytest.mark.parametrize(("override", "rule"), [
+    ("parallel.tensor_parallel_size=2", lambda: validate_parallel_config(tensor_parallel=2)),
+    ("parallel.pipeline_parallel_size=4", lambda: validate_parallel_config(pipeline_parallel=4)),
+    ("fsdp_config.comm_fusion=true", lambda: validate_parallel_config(comm_fusion=True)),
+    ("low_precision={enabled: false, format: hif8, scaling: delayed}",
+     lambda: recipe_from_config({"enabled": False, "format": "hif8", "scaling": "delayed"}, check_disabled=True)),
+    ("low_precision.margin=0", lambda: recipe_from_config({"enabled": True, "format": "mxfp8_e4m3",
+                                                           "scaling": "mx_block", "margin": 0})),
+], ids=["tp", "pp", "comm_fusion", "disabled-combination", "unknown-key"])
+def test_config_fail_fast_rule_has_one_source(override, rule):
+    """The config refuses a spec-15 row with the very error of the function the runtime calls."""
+    with pytest.raises(ConfigError) as from_config:
+        load(TINY, [override])
+    with pytest.raises(ConfigError) as from_rule:
+        rule()
+    assert str(from_config.value) == str(from_rule.value)
+
+
+def test_config_backend_map_covers_every_device():
+    from typing import get_args, get_type_hints
+
+    hints = get_type_hints(TrainingConfig)
+    assert set(BACKENDS_BY_DEVICE) == set(get_args(hints["device"]))
+    assert {b for bs in BACKENDS_BY_DEVICE.values() for b in bs} | {"auto"} == set(get_args(hints["backend"]))
+    auto = {d: TrainingConfig(device=d).resolved_backend for d in BACKENDS_BY_DEVICE}
+    assert auto == {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+    assert TrainingConfig(device="cuda", backend="gloo").resolved_backend == "gloo"
