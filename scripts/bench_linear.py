@@ -5,7 +5,7 @@ DeepSeek-V3 shapes: dense T x 2048 -> {2048, 3136, 2816}; grouped (routed expert
 timing and reused (``is_first_microbatch=False``, as within one optimizer step). Saved bytes are counted
 with ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's bytes (float8 / uint8
 payloads included), each storage once (the weight is referenced, not counted twice). Host syncs
-per step (``te_npu.ops.host_syncs``: reads that would drain a CUDA / NPU stream) are counted
+per step (``te_npu.testing.count_host_syncs``: reads that would drain a CUDA / NPU stream) are counted
 by op, outside the timed loop, so the column means the same on every device.
 
 Weight caching section (``--only weight-cache`` runs just this one): the cost of te_npu's
@@ -32,8 +32,8 @@ import time
 import torch
 
 import te_npu
-from te_npu.ops import QuantEvent, observe
-from te_npu.ops.host_syncs import count_host_syncs
+from te_npu.events import QuantEvent, subscribe
+from te_npu.testing import count_host_syncs
 from te_npu import HiF8CurrentScalingRecipe, MXFP8BlockRecipe
 
 HIDDEN, TOPK, MOE_FF = 2048, 6, 1408
@@ -132,10 +132,10 @@ def bench_weight_caching(label, make_module, x, dy, iters, device, extra=()) -> 
         for accumulation in (1, 4):
             counts = []
             for cached in (False, True):  # warm-up, counting the weight quantizations of one step
-                events = []
-                with observe(events.append):
+                quants = []
+                with subscribe(quants.append, QuantEvent):
                     step(module, recipe, accumulation, cached)
-                counts.append(sum(isinstance(e, QuantEvent) and e.shape == weight_shape for e in events))
+                counts.append(sum(e.shape == weight_shape for e in quants))
             times = {False: [], True: []}
             for _ in range(iters):
                 for cached in (False, True):

@@ -17,7 +17,9 @@ For each recipe (``recipes/dsv3_tiny_<x>.yaml``):
    grouped_matmul) are wrapped in ``record_function`` ranges for the run, so the profile can
    attribute time to quantization and to 8-bit GEMMs; high-precision matmuls (BF16 TE modules,
    lm_head, router) count as GEMM; ``c10d::`` / ``gloo:`` ops as collectives (all-gather,
-   reduce-scatter, all-reduce).
+   reduce-scatter, all-reduce). The trainer's ``te_npu.events`` (a subscriber passed as
+   ``Trainer(..., subscribers=...)``) give the counts per profiled step: 8-bit GEMMs,
+   quantizations, all-gathers of quantized weights and their bytes, weight refreshes.
 
 Then it writes a Markdown report and a PNG (loss curves train + val, throughput, time shares).
 
@@ -176,6 +178,26 @@ def attribute_times(events) -> tuple[dict[str, float], dict[str, float]]:
     return totals, worker
 
 
+class EventCounts:
+    """A ``te_npu.events`` subscriber counting, per optimizer step, what the step did."""
+
+    def __init__(self) -> None:
+        self.steps: list = []
+
+    def __call__(self, event) -> None:
+        from collections import Counter
+
+        from te_npu import events
+
+        if isinstance(event, events.StepBeginEvent):
+            self.steps.append(Counter())
+        elif self.steps:
+            counts = self.steps[-1]
+            counts[type(event).__name__] += 1
+            if isinstance(event, events.FSDPGatherEvent):
+                counts["quantized_gather_bytes"] += event.gathered_bytes
+
+
 def profile_worker(args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -189,7 +211,8 @@ def profile_worker(args) -> int:
     cfg = load_config(REPO / "recipes" / f"dsv3_tiny_{args.profile_worker}.yaml",
                       run_overrides(args, args.profile_worker, run_dir, steps, eval_interval=0),
                       model_section=DeepseekV3Task.model_section)
-    trainer = Trainer(DeepseekV3Task(), print_fn=lambda *_: None)
+    counts = EventCounts()
+    trainer = Trainer(DeepseekV3Task(), print_fn=lambda *_: None, subscribers=[counts])
     try:
         trainer.setup(cfg)
         with labelled_emulation():
@@ -202,7 +225,8 @@ def profile_worker(args) -> int:
         totals, worker = attribute_times(prof.events())
         top = sorted(((e.key, e.cpu_time_total / 1e6) for e in prof.key_averages()), key=lambda kv: -kv[1])[:40]
         result = {"rank": trainer.rank, "wall_s": wall, "steps": args.profile_steps, "seconds": totals, "worker_seconds": worker,
-                  "step_ms": [r.elapsed_ms for r in records], "top_ops": top}
+                  "step_ms": [r.elapsed_ms for r in records], "top_ops": top,
+                  "events_per_step": [dict(c) for c in counts.steps[args.profile_warmup:]]}
         (run_dir / f"profile_rank{trainer.rank}.json").write_text(json.dumps(result, indent=1))
     finally:
         trainer.close()

@@ -11,7 +11,7 @@ from te_npu.activation_checkpoint import checkpoint
 from te_npu.errors import ConfigError, LowPrecisionUnavailableError
 from te_npu.formats import Format, QuantizationRole
 from te_npu.modules import TEGroupedLinear, TEGroupedSwiGLUExperts, TELinear, assign_fqns
-from te_npu import functional, moe, recipe
+from te_npu import events, functional, moe, recipe
 from te_npu.ops import is_hif8_available, is_mxfp8_available
 from te_npu.quantize_weights import quantize_weights_
 from te_npu.recipe import HiF8CurrentScalingRecipe, MXFP8BlockRecipe, recipe_from_config
@@ -23,6 +23,7 @@ __all__ = [
     "fp8_model_init",
     "checkpoint",
     "recipe",
+    "events",
     "is_autocast_enabled",
     "get_autocast_recipe",
     "ConfigError",

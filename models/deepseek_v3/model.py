@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 from torch import nn
 
 import te_npu
@@ -87,19 +88,19 @@ class MultiHeadLatentAttention(nn.Module):
             q_BSX = self.q_proj(x_BSD)
         else:
             q_BSX = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
-        q_nope_BNSP, q_rope_BNSR = q_BSX.view(B, S, N, P + R).transpose(1, 2).split([P, R], dim=-1)
+        q_nope_BNSP, q_rope_BNSR = rearrange(q_BSX, "b s (n x) -> b n s x", n=N).split([P, R], dim=-1)
 
         kv_latent_BSC, k_rope_BSR = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_lora_rank, R], dim=-1)
-        kv_BNSX = self.kv_b_proj(self.kv_a_layernorm(kv_latent_BSC)).view(B, S, N, P + V).transpose(1, 2)
+        kv_BNSX = rearrange(self.kv_b_proj(self.kv_a_layernorm(kv_latent_BSC)), "b s (n x) -> b n s x", n=N)
         k_nope_BNSP, v_BNSV = kv_BNSX.split([P, V], dim=-1)
 
         q_rope_BNSR = apply_rope_interleaved(q_rope_BNSR, cos_BSh, sin_BSh)
-        k_rope_B1SR = apply_rope_interleaved(k_rope_BSR.view(B, 1, S, R), cos_BSh, sin_BSh)
+        k_rope_B1SR = apply_rope_interleaved(rearrange(k_rope_BSR, "b s r -> b 1 s r"), cos_BSh, sin_BSh)
         q_BNSH = torch.cat([q_nope_BNSP, q_rope_BNSR], dim=-1)
         k_BNSH = torch.cat([k_nope_BNSP, k_rope_B1SR.expand(B, N, S, R)], dim=-1)
 
         o_BNSV = F.scaled_dot_product_attention(q_BNSH, k_BNSH, v_BNSV, is_causal=True, scale=self.softmax_scale)
-        return self.o_proj(o_BNSV.transpose(1, 2).reshape(B, S, N * V))
+        return self.o_proj(rearrange(o_BNSV, "b n s v -> b s (n v)"))
 
 
 class SwiGLUMLP(nn.Module):
@@ -131,10 +132,10 @@ class TopKRouter(nn.Module):
         choice_TE = scores_TE + self.e_score_correction_bias
         T, E = choice_TE.shape
         if self.n_group > 1:  # keep the topk_group groups whose top-2 scores sum highest
-            group_scores_TG = choice_TE.view(T, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            group_scores_TG = rearrange(choice_TE, "t (g e) -> t g e", g=self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
             group_idx_TG = group_scores_TG.topk(self.topk_group, dim=-1, sorted=False)[1]
             keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx_TG, True)
-            keep_TE = keep_TG.unsqueeze(-1).expand(T, self.n_group, E // self.n_group).reshape(T, E)
+            keep_TE = repeat(keep_TG, "t g -> t (g e)", e=E // self.n_group)
             choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
         topk_ids_TK = choice_TE.topk(self.top_k, dim=-1, sorted=False)[1]
         weights_TK = scores_TE.gather(1, topk_ids_TK)

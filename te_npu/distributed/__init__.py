@@ -6,11 +6,9 @@ Importing this package installs the FSDP2 all-gather extension on ``MXFP8Tensor`
 from te_npu.distributed import checkpoint
 from te_npu.distributed.fsdp import (
     FSDPGatherContext,
-    GatherRecord,
     HiF8GatherSchema,
     MXFP8GatherSchema,
     install_fsdp_extension,
-    record_gathers,
 )
 from te_npu.distributed.optim import (
     MasterWeightOptimizer,
@@ -28,11 +26,9 @@ install_fsdp_extension(HiF8Tensor, HiF8GatherSchema())
 __all__ = [
     "checkpoint",
     "FSDPGatherContext",
-    "GatherRecord",
     "MXFP8GatherSchema",
     "HiF8GatherSchema",
     "install_fsdp_extension",
-    "record_gathers",
     "MasterWeightOptimizer",
     "StepResult",
     "finalize_low_precision_weights",

@@ -13,8 +13,10 @@ FSDP2 calls two methods on the *local shard* of a parameter whose class defines 
   parameter as ``out`` and it is refilled in place (the autograd graph of the forward holds
   that object, so it must never be replaced).
 
-This module holds the format-free protocol -- ``FSDPGatherContext`` and ``GatherSchema`` --
-and the schema of each format. The tensor classes import nothing from here:
+This module holds the format-free protocol -- ``FSDPGatherContext`` (declared in
+``te_npu.events`` next to ``FSDPGatherEvent``, which every pre-all-gather emits when somebody
+subscribes) and ``GatherSchema`` -- and the schema of each format. The tensor classes import
+nothing from here:
 ``install_fsdp_extension(cls, schema)`` attaches the two methods (``te_npu.distributed``
 does it on import).
 
@@ -40,38 +42,24 @@ Shape legend: ``W`` = FSDP world size, ``N_local`` = local rows, ``E_local`` = l
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from te_npu import events
+from te_npu.events import FSDPGatherContext
 from te_npu.tensor import HiF8Tensor, MXFP8Tensor, QuantizedWeightTensor
 
 __all__ = [
     "FSDPGatherContext",
     "GatherSchema",
-    "GatherRecord",
     "MXFP8GatherSchema",
     "HiF8GatherSchema",
     "install_fsdp_extension",
-    "record_gathers",
     "gather_schema_of",
     "is_materialized",
 ]
-
-Phase = Literal["forward", "backward"]
-
-
-@dataclass(frozen=True)
-class FSDPGatherContext:
-    """What a format needs to decide which physical tensors one all-gather carries."""
-
-    phase: Phase
-    reshard_after_forward: bool
-    param_fqn: str
-
 
 class GatherSchema(Protocol):
     """Per-format choice and reassembly of the physical tensors of one all-gather."""
@@ -85,28 +73,6 @@ class GatherSchema(Protocol):
     ) -> torch.Tensor:
         """The unsharded inner tensor of ``field`` from its gathered output (usually itself)."""
         ...
-
-
-@dataclass(frozen=True)
-class GatherRecord:
-    """One pre-all-gather of one quantized weight, as seen by a ``record_gathers`` probe.
-
-    fields: gathered inner tensors in order; local_bytes: bytes this rank sends;
-    gathered_bytes: bytes of the unsharded result (local_bytes * world_size);
-    logical_numel: elements of the full logical weight.
-    """
-
-    context: FSDPGatherContext
-    format: str
-    fields: tuple[str, ...]
-    local_bytes: int
-    gathered_bytes: int
-    logical_numel: int
-
-    @property
-    def bytes_per_element(self) -> float:
-        """Gathered bytes per logical weight element (BF16 would be 2.0)."""
-        return self.gathered_bytes / max(self.logical_numel, 1)
 
 
 # ---- schemas of the two formats -----------------------------------------------------------------
@@ -185,31 +151,6 @@ def install_fsdp_extension(cls: type, schema: GatherSchema) -> None:
     cls.fsdp_post_all_gather = _fsdp_post_all_gather
 
 
-# ---- recording probe ----------------------------------------------------------------------------
-
-_RECORDERS: list[Callable[[GatherRecord], None]] = []
-
-
-@contextlib.contextmanager
-def record_gathers(callback: Callable[[GatherRecord], None] | None = None) -> Iterator[list[GatherRecord]]:
-    """Collect a ``GatherRecord`` for every quantized-weight all-gather inside the block.
-
-    Yields the list being filled; ``callback`` (optional) also receives each record.
-    """
-    records: list[GatherRecord] = []
-
-    def sink(record: GatherRecord) -> None:
-        records.append(record)
-        if callback is not None:
-            callback(record)
-
-    _RECORDERS.append(sink)
-    try:
-        yield records
-    finally:
-        _RECORDERS.remove(sink)
-
-
 # ---- the two FSDP2 hooks --------------------------------------------------------------------------
 
 
@@ -238,13 +179,11 @@ def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy
     metadata = _GatherMetadata(
         context, fields, tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors), world_size, torch.Size(outer_size)
     )
-    if _RECORDERS:
+    if events.has_subscribers(events.FSDPGatherEvent):
         local_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        record = GatherRecord(
+        events.emit(events.FSDPGatherEvent(
             context, self.format.value, fields, local_bytes, local_bytes * world_size, torch.Size(outer_size).numel()
-        )
-        for recorder in list(_RECORDERS):
-            recorder(record)
+        ))
     return tensors, metadata
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from te_npu import events
 from te_npu.formats import spec
 from te_npu.modules.base import TEModule
 from te_npu.numerics import hif8
@@ -155,8 +156,9 @@ class MasterWeightOptimizer:
 
     model: the (optionally FSDP2-sharded) model; initial_weights: ``{fqn: high-precision
     full weight}`` for every quantized parameter (from ``finalize_low_precision_weights``);
-    max_grad_norm: clip by global norm when given. ``refresh_counts[fqn]`` counts refreshes;
-    ``add_refresh_hook(fn)`` calls ``fn(fqn)`` on each one.
+    max_grad_norm: clip by global norm when given. ``refresh_counts[fqn]`` counts refreshes.
+    Reports to ``te_npu.events``: a ``WeightRefreshEvent(fqn)`` per refresh and an
+    ``OptimizerStepEvent(updated, grad_norm)`` per ``step`` (skipped steps included).
 
     Weight decay, as in Megatron-LM, applies to matrices only: parameters with fewer than two
     (logical) dims -- biases, norm weights -- are in a second param group with decay 0.
@@ -197,14 +199,9 @@ class MasterWeightOptimizer:
                 exp_avg_sq=torch.zeros_like(master),
             )
         self.refresh_counts: Counter[str] = Counter()
-        self._refresh_hooks: list[Callable[[str], None]] = []
         self._fqn_of = {id(p): fqn for fqn, p in self.params.items()}
 
     # ---- public ---------------------------------------------------------------------------------
-
-    def add_refresh_hook(self, hook: Callable[[str], None]) -> None:
-        """Call ``hook(fqn)`` after each low-precision weight refresh."""
-        self._refresh_hooks.append(hook)
 
     def zero_grad(self) -> None:
         """Drop the parameters' gradients (never touches weights)."""
@@ -220,7 +217,7 @@ class MasterWeightOptimizer:
         norm = global_grad_norm(grads)
         if not bool(torch.isfinite(norm)):
             self._drop_master_grads()
-            return StepResult(updated=False, grad_norm=float(norm))
+            return self._result(updated=False, grad_norm=float(norm))
         if self.max_grad_norm is not None:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             for grad in grads:
@@ -228,7 +225,7 @@ class MasterWeightOptimizer:
         self.optimizer.step()
         self._drop_master_grads()
         self.rebuild_weights_from_masters()
-        return StepResult(updated=True, grad_norm=float(norm))
+        return self._result(updated=True, grad_norm=float(norm))
 
     @torch.no_grad()
     def rebuild_weights_from_masters(self) -> None:
@@ -252,8 +249,14 @@ class MasterWeightOptimizer:
     def _count(self, param: torch.Tensor) -> None:
         fqn = self._fqn_of[id(param)]
         self.refresh_counts[fqn] += 1
-        for hook in self._refresh_hooks:
-            hook(fqn)
+        if events.has_subscribers(events.WeightRefreshEvent):
+            events.emit(events.WeightRefreshEvent(fqn))
+
+    @staticmethod
+    def _result(*, updated: bool, grad_norm: float) -> StepResult:
+        if events.has_subscribers(events.OptimizerStepEvent):
+            events.emit(events.OptimizerStepEvent(updated, grad_norm))
+        return StepResult(updated=updated, grad_norm=grad_norm)
 
     def _drop_master_grads(self) -> None:
         for master in self.masters.values():

@@ -2,7 +2,7 @@
 ``grouped_swiglu`` (MoE experts). Each runs fprop, dgrad and wgrad in the recipe's format."""
 from te_npu.functional.grouped_linear import grouped_linear
 from te_npu.functional.linear import linear
-from te_npu.functional.operands import GemmNumerics, QuantStats
+from te_npu.functional.operands import GemmNumerics
 from te_npu.functional.swiglu import grouped_swiglu, swiglu
 from te_npu.functional.weight_cache import WeightCache, high_precision_weight
 
@@ -12,7 +12,6 @@ __all__ = [
     "grouped_swiglu",
     "swiglu",
     "GemmNumerics",
-    "QuantStats",
     "WeightCache",
     "high_precision_weight",
 ]

@@ -109,7 +109,6 @@ def grouped_linear(
     weight_cache: WeightCache | None = None,
     is_first_microbatch: bool | None = None,
     name: str | None = None,
-    stats: dict | None = None,
 ) -> torch.Tensor:
     """Per-group ``x_g @ weight[g].T`` with fprop, dgrad and wgrad in ``recipe``'s format.
 
@@ -117,7 +116,7 @@ def grouped_linear(
         x: ``[T, K]`` rows sorted by group.
         weight: ``[G, N, K]`` high-precision tensor or ``QuantizedWeightTensor``.
         m_splits: ``[G]`` row counts (list or int tensor) summing to T; zeros allowed.
-        recipe, quantizers, weight_cache, is_first_microbatch, name, stats: as in
+        recipe, quantizers, weight_cache, is_first_microbatch, name: as in
             :func:`te_npu.functional.linear`.
     Returns:
         ``[T, N]`` in ``x.dtype``; dX in x's dtype, dW ``[G, N, K]`` in the weight's dtype.
@@ -127,7 +126,7 @@ def grouped_linear(
     """
     numerics = GemmNumerics.from_recipe(recipe, quantizers)
     g, n, k = weight.shape
-    context = GemmContext(name or f"grouped_linear(weight [{g}, {n}, {k}])", stats)
+    context = GemmContext(name or f"grouped_linear(weight [{g}, {n}, {k}])")
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{context.name}: input must be [T, K={k}], got {list(x.shape)}")
     if k % numerics.block_size or n % numerics.block_size:

@@ -135,7 +135,6 @@ def linear(
     weight_cache: WeightCache | None = None,
     is_first_microbatch: bool | None = None,
     name: str | None = None,
-    stats: dict | None = None,
 ) -> torch.Tensor:
     """``y = x @ weight.T + bias`` with fprop, dgrad and wgrad in ``recipe``'s format.
 
@@ -149,8 +148,8 @@ def linear(
         weight_cache, is_first_microbatch: a high-precision weight is quantized on every call
             unless ``is_first_microbatch`` (TE's flag) is given: ``True`` quantizes into
             ``weight_cache``, ``False`` reuses what it holds (``te_npu.functional.weight_cache``).
-        name: used in error messages (the module FQN).
-        stats: dict filled with ``role -> QuantStats`` of every quantization (observability).
+        name: the module FQN, used in error messages and in the ``te_npu.events.OperandEvent`` s
+            of every operand quantized for this call.
     Returns:
         ``[..., N]`` in ``x.dtype``; ``torch.autocast`` does not reach the emulated GEMMs.
     Raises:
@@ -159,7 +158,7 @@ def linear(
     """
     numerics = GemmNumerics.from_recipe(recipe, quantizers)
     n, k = weight.shape
-    context = GemmContext(name or f"linear(weight [{n}, {k}])", stats)
+    context = GemmContext(name or f"linear(weight [{n}, {k}])")
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
     _check_shapes(numerics, context, tuple(x.shape), (n, k), need_wgrad)
     with torch_autocast_off(x.device.type):

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
+from te_npu import events
 from te_npu.errors import LowPrecisionUnavailableError
 from te_npu.formats import Format, Orientation, QuantizationRole, spec
 from te_npu.numerics.groups import group_sizes_tensor, host_group_sizes
@@ -23,7 +24,6 @@ from te_npu.ops.operand import QuantizedOperand
 __all__ = [
     "GemmNumerics",
     "GemmContext",
-    "QuantStats",
     "quantize_operand",
     "quantize_pair",
     "save_operands",
@@ -64,41 +64,21 @@ class GemmNumerics:
         return self.quantizers[role]
 
 
-class QuantStats(NamedTuple):
-    """Last quantization of one role, for observability (detached, never synced to the host).
-
-    orientation: "row" / "col" / "both" (one copy serving both, HiF8);
-    shape: the source tensor's shape; scale: the operand's scale (HiF8: FP32 ``[]`` / ``[E]``;
-    MXFP8: the E8M0 block-scale codes, in the backend's layout); amax: HiF8 ``scale * format_max``
-    (the amax the current scale ``amax * (1 / format_max)`` was computed from, to within two FP32
-    roundings, for a finite non-zero tensor), None for MXFP8 (each block has its own amax; the codes are the statistic).
-    """
-
-    orientation: str
-    shape: tuple[int, ...]
-    amax: torch.Tensor | None
-    scale: torch.Tensor
-
-
 @dataclass(frozen=True)
 class GemmContext:
-    """Non-numerics call context: a name for error messages and an optional stats sink.
+    """Non-numerics call context: the GEMM's name, for error messages and ``OperandEvent`` s.
 
-    name: module FQN (or class name + shape) used in ``LowPrecisionUnavailableError``;
-    stats: a dict the call fills with ``role -> QuantStats`` (a module's ``quant_stats``).
+    name: module FQN (or class name + shape) used in ``LowPrecisionUnavailableError``.
     """
 
     name: str = "te_npu.functional"
-    stats: dict | None = None
 
     def record(self, role: QuantizationRole, orientation: str, quantizer: Quantizer, source: torch.Tensor,
                operand: QuantizedOperand) -> None:
-        if self.stats is None:
-            return
-        format_max = getattr(quantizer, "format_max", None)
-        scale = operand.scale.detach()
-        amax = scale * format_max if format_max is not None else None
-        self.stats[role] = QuantStats(orientation, tuple(source.shape), amax, scale)
+        """Report one operand of this GEMM to the event stream (nothing when nobody listens)."""
+        if events.has_subscribers(events.OperandEvent):
+            events.emit(events.OperandEvent(self.name, role, orientation, tuple(source.shape), operand.format.value,
+                                            operand.scale.detach(), getattr(quantizer, "format_max", None)))
 
 
 def unavailable(context: GemmContext, numerics: GemmNumerics, reason: str) -> LowPrecisionUnavailableError:

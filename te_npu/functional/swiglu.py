@@ -63,7 +63,6 @@ def grouped_swiglu(
     weight_caches: tuple[WeightCache | None, WeightCache | None] = (None, None),
     is_first_microbatch: bool | None = None,
     name: str | None = None,
-    stats: dict | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts with every GEMM in ``recipe``'s format.
 
@@ -72,18 +71,18 @@ def grouped_swiglu(
         gate_up_weight: ``[E, 2F, H]``; down_weight: ``[E, H, F]`` (high precision or quantized).
         weight_caches, is_first_microbatch: (gate_up, down) caches for high-precision weights
             and TE's caching flag, as in :func:`te_npu.functional.linear`.
-        stats: dict filled with ``{"gate_up": {role: QuantStats}, "down": {...}}``.
+        name: the module FQN; the two GEMMs are named ``<name>.gate_up_proj`` / ``<name>.down_proj``
+            (error messages, ``te_npu.events.OperandEvent``).
     Returns:
         ``[T, H]`` in x's dtype.
     """
     name = name or "grouped_swiglu"
     if isinstance(m_splits, torch.Tensor):  # read once (one host sync at most) for both GMMs
         m_splits = host_group_sizes(m_splits)
-    sink = (None, None) if stats is None else (stats.setdefault("gate_up", {}), stats.setdefault("down", {}))
     h_TF2 = grouped_linear(x, gate_up_weight, m_splits, recipe=recipe, quantizers=quantizers,
                            weight_cache=weight_caches[0], is_first_microbatch=is_first_microbatch,
-                           name=f"{name}.gate_up_proj", stats=sink[0])
+                           name=f"{name}.gate_up_proj")
     a_TF = swiglu(h_TF2)
     return grouped_linear(a_TF, down_weight, m_splits, recipe=recipe, quantizers=quantizers,
                           weight_cache=weight_caches[1], is_first_microbatch=is_first_microbatch,
-                          name=f"{name}.down_proj", stats=sink[1])
+                          name=f"{name}.down_proj")

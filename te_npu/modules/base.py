@@ -2,12 +2,12 @@
 
 A TE module holds parameters (``_weight_names`` lists the GEMM weights) and, once it first
 runs inside ``te_npu.autocast``, the role -> quantizer map of that recipe. None of this is
-module state in PyTorch's sense: quantizers, caches, stats and ``fqn`` are plain attributes,
-so ``state_dict`` holds exactly the parameters (no ``_extra_state``; recipes are stateless).
+module state in PyTorch's sense: quantizers, caches and ``fqn`` are plain attributes, so
+``state_dict`` holds exactly the parameters (no ``_extra_state``; recipes are stateless).
 
-- ``quant_stats``: role -> ``QuantStats`` of the latest quantizations (detached tensors, no
-  host sync); grouped SwiGLU experts keep one such dict per GEMM.
-- ``fqn``: the module's name in the model, set by :func:`assign_fqns`; error messages use it.
+- ``fqn``: the module's name in the model, set by :func:`assign_fqns`; error messages use it,
+  and so do the ``te_npu.events.OperandEvent`` s of its GEMMs (what each role was quantized
+  to, for whoever subscribes: the module keeps no statistics itself).
 - weights created under ``te_npu.quantized_model_init(recipe=...)`` or converted with
   ``te_npu.quantize_weights_`` are ``MXFP8Tensor`` / ``HiF8Tensor`` parameters, read as
   stored; a high-precision weight is quantized on every forward unless the caller passes
@@ -44,7 +44,6 @@ class TEModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fqn: str | None = None
-        self.quant_stats: dict = {}
         self._recipe: Recipe | None = None
         self._forward_recipes = ForwardRecipes()
         self._quantizers: Mapping[QuantizationRole, Quantizer] | None = None
@@ -74,7 +73,6 @@ class TEModule(nn.Module):
                               f"{type(recipe).__name__}; rebuilding its quantizers", stacklevel=3)
             require_low_precision(recipe.format, self._device())
             self._recipe, self._quantizers = recipe, recipe.quantizers()
-            self.quant_stats.clear()
         return self._quantizers
 
     @property
@@ -89,8 +87,7 @@ class TEModule(nn.Module):
                      is_first_microbatch: bool | None = None) -> dict:
         """Keyword arguments of a ``te_npu.functional`` call for one of this module's weights."""
         return dict(recipe=recipe, quantizers=self.quantizers_for(recipe), name=self.te_name,
-                    weight_cache=self._weight_caches[weight_name], is_first_microbatch=is_first_microbatch,
-                    stats=self.quant_stats)
+                    weight_cache=self._weight_caches[weight_name], is_first_microbatch=is_first_microbatch)
 
     def _plain_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A weight for the plain path in the activation ``dtype`` (a quantized weight dequantized;
@@ -178,9 +175,9 @@ class TEModule(nn.Module):
 
     def __getstate__(self) -> dict:
         """``copy.deepcopy`` / pickle: parameters and configuration only; the derived metadata
-        (quantizers, kept weight operands, stats, live-forward records) starts empty."""
+        (quantizers, kept weight operands, live-forward records) starts empty."""
         state = self.__dict__.copy()
-        state.update(quant_stats={}, _recipe=None, _quantizers=None, _forward_recipes=ForwardRecipes(),
+        state.update(_recipe=None, _quantizers=None, _forward_recipes=ForwardRecipes(),
                      _weight_caches={name: WeightCache() for name in self._weight_names})
         return state
 

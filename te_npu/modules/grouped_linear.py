@@ -94,7 +94,7 @@ class TEGroupedLinear(TEModule):
 class TEGroupedSwiGLUExperts(TEModule):
     """MoE routed experts: ``down(silu(gate(x)) * up(x))`` per expert, Hugging Face layout.
 
-    ``quant_stats`` holds one role -> stats dict per GEMM: ``{"gate_up": {...}, "down": {...}}``.
+    Its two GEMMs are named ``<fqn>.gate_up_proj`` and ``<fqn>.down_proj`` (errors, events).
 
     gate_up_proj: ``[E, 2F, H]`` (gate rows first, then up rows); down_proj: ``[E, H, F]``.
     """

@@ -8,7 +8,6 @@ tensors import ops, never the reverse.
 """
 from te_npu.ops.capability import is_hif8_available, is_mxfp8_available, require_low_precision
 from te_npu.ops.gemm import low_precision_grouped_matmul, low_precision_matmul
-from te_npu.ops.observe import GemmEvent, QuantEvent, observe
 from te_npu.ops.operand import QuantizedOperand
 from te_npu.ops.quantize import (
     hif8_quantize,
@@ -37,9 +36,6 @@ __all__ = [
     "quantize_hif8",
     "quantize_hif8_with_scale",
     "force_backend",
-    "observe",
-    "GemmEvent",
-    "QuantEvent",
     "backend_for",
     "is_mxfp8_available",
     "is_hif8_available",

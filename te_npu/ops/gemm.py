@@ -1,4 +1,4 @@
-"""Public low-precision GEMMs (spec section 13.4): validate, pick the backend, emit a ``GemmEvent``.
+"""Public low-precision GEMMs (spec section 13.4): validate, pick the backend, emit a ``te_npu.events.GemmEvent``.
 
 Dense, 2D operands (``QuantizedOperand`` keeps its source's logical shape):
 - "NT" fprop  Y[M,N]  = X[M,K] (row) . W[N,K]^T (row)
@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import torch
 
+from te_npu import events
 from te_npu.formats import Format
 from te_npu.ops.checks import check_gemm, check_grouped_gemm
-from te_npu.ops.observe import GEMM_OF_LAYOUT, GemmEvent, emit, has_observers
 from te_npu.ops.registry import backend_for
 from te_npu.ops.operand import QuantizedOperand
 
-__all__ = ["low_precision_matmul", "low_precision_grouped_matmul"]
+__all__ = ["low_precision_matmul", "low_precision_grouped_matmul", "GEMM_OF_LAYOUT"]
+
+GEMM_OF_LAYOUT = {"NT": "fprop", "NN": "dgrad", "TN": "wgrad"}
+"""Which training GEMM each layout is (see the table above)."""
 
 
 def _emit(kind, left, right, layout, fmt: Format, output_dtype, backend, num_groups=None) -> None:
-    if has_observers():
-        emit(
-            GemmEvent(
+    if events.has_subscribers(events.GemmEvent):
+        events.emit(
+            events.GemmEvent(
                 kind=kind,
                 layout=layout,
                 gemm=GEMM_OF_LAYOUT[layout],

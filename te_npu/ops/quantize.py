@@ -5,17 +5,17 @@ own layout (``npu``: the kernel's block pairs, fed to the GEMM kernels unchanged
 canonical). The tuple-returning ``mxfp8_quantize`` / ``hif8_quantize`` ... give canonical
 layouts whatever the backend (MXFP8 scales uint8 ``[..., K/32]`` (row) / ``[..., M/32, N]`` (col) /
 ``[num_blocks, K]`` (ragged col); HiF8 codes uint8 with an FP32 scale ``[]`` or ``[E]``), for
-inspection and tests. Each call emits one ``QuantEvent``.
+inspection and tests. Each call emits one ``te_npu.events.QuantEvent``.
 """
 from __future__ import annotations
 
 import torch
 
+from te_npu import events
 from te_npu.formats import Format, Orientation
 from te_npu.numerics.constants import MX_BLOCK_SIZE
 from te_npu.numerics.groups import with_mirror_of
 from te_npu.ops import layouts
-from te_npu.ops.observe import QuantEvent, emit, has_observers
 from te_npu.ops.operand import QuantizedOperand
 from te_npu.ops.registry import backend_for
 
@@ -36,8 +36,9 @@ _AXIS = {"row": -1, "col": -2}
 
 
 def _event(fmt: Format, orientation, x, backend, **extra) -> None:
-    if has_observers():
-        emit(QuantEvent(format=fmt.value, orientation=orientation, shape=tuple(x.shape), backend=backend.NAME, **extra))
+    if events.has_subscribers(events.QuantEvent):
+        events.emit(events.QuantEvent(format=fmt.value, orientation=orientation, shape=tuple(x.shape),
+                                      backend=backend.NAME, **extra))
 
 
 def _check_orientation(orientation) -> None:
@@ -94,7 +95,7 @@ def quantize_hif8_with_scale(x: torch.Tensor, scale: torch.Tensor, *, orientatio
     """HiF8 codes of ``x / scale`` for a given FP32 scale (``[]``, or ``[E]`` for a 3D tensor).
 
     ``amax`` / ``format_max``: what the caller derived ``scale`` from (e.g. the FSDP-group amax
-    and 15.0), reported to observers as given; None when the caller does not say."""
+    and 15.0), reported in the ``QuantEvent`` as given; None when the caller does not say."""
     if orientation is not None:
         _check_orientation(orientation)
     backend = backend_for(x.device)

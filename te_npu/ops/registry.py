@@ -7,7 +7,7 @@ A backend is a module exposing ``NAME``, ``SCALE_LAYOUT`` (the layout its quanti
 
 ``force_backend("npu")`` routes every call inside the block to one backend whatever the
 tensors' device: with a fake ``torch_npu`` installed (tests), the whole stack runs through the
-NPU wrappers on CPU tensors. Its stack (like the observer stack) is process state, meant for
+NPU wrappers on CPU tensors. Its stack (like ``te_npu.events``' subscriptions) is process state, meant for
 tests and diagnostics; nothing in te_npu enters it by itself.
 """
 from __future__ import annotations

@@ -45,6 +45,6 @@ class HiF8Quantizer:
     def quantize_with_scale(self, tensor: torch.Tensor, scale: torch.Tensor,
                             amax: torch.Tensor | None = None) -> QuantizedOperand:
         """Quantize with a given FP32 scale (e.g. one agreed on across FSDP ranks); ``amax``, the
-        value the scale was derived from (``scale = amax * (1 / format_max)``), is reported to observers."""
+        value the scale was derived from (``scale = amax * (1 / format_max)``), is reported in its ``QuantEvent``."""
         return ops.quantize_hif8_with_scale(tensor, scale, orientation="row", amax=amax,
                                             format_max=None if amax is None else self.format_max)

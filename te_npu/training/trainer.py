@@ -22,38 +22,36 @@ masters, refresh every 8-bit shard once).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import te_npu
+from te_npu import events
 from te_npu.distributed import (
     MasterWeightOptimizer,
     StepResult,
     checkpoint,
     finalize_low_precision_weights,
-    record_gathers,
     shard_model,
 )
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.distributed.sharding import TE_MODULE_TYPES
 from te_npu.errors import ConfigError
 from te_npu.modules.base import assign_fqns
-from te_npu.ops import observe, require_low_precision
+from te_npu.ops import require_low_precision
 from te_npu.training import hf_weights, preflight
 from te_npu.training.config import TrainConfig
 from te_npu.training.data import TokenBatcher, build_datasets, check_token_ids, validation_batches
 from te_npu.training.divergence import DivergenceGuard, TrainingDiverged
 from te_npu.training.job import StopRequest, launch_env
 from te_npu.training.metrics_log import MetricsLogger, peak_memory_mb
-from te_npu.training.probe import STProbe
 from te_npu.training.recompute import apply_activation_checkpointing
 from te_npu.training.schedule import lr_at
 
@@ -112,10 +110,18 @@ class StepRecord:
 class Trainer:
     """Set up with ``setup(cfg)``, then ``train()`` (or drive ``train_step`` / the pieces yourself)."""
 
-    def __init__(self, task: TrainTask, *, print_fn=print, stop: StopRequest | None = None) -> None:
-        """``stop``: the job's ``StopRequest`` (signal handlers set it; see ``te_npu.training.job``)."""
+    def __init__(self, task: TrainTask, *, print_fn=print, stop: StopRequest | None = None,
+                 subscribers: Iterable[Callable[[object], None]] = ()) -> None:
+        """``stop``: the job's ``StopRequest`` (signal handlers set it; see ``te_npu.training.job``).
+
+        ``subscribers``: ``te_npu.events`` callbacks (a metrics sink, a test probe, ...), subscribed
+        from the start of ``setup`` until ``close`` / ``abandon``: they see everything the run
+        reports (setup's weight quantization, each step's GEMMs, gathers and refreshes, the
+        ``StepBeginEvent`` that starts each step, checkpoint loads), in this process.
+        """
         self.task = task
-        self.probe: STProbe | None = None
+        self.subscribers = tuple(subscribers)
+        self._subscriptions: list[events.Subscription] = []
         self._print = print_fn
         self.stop = stop
         self.global_step = 0
@@ -127,10 +133,6 @@ class Trainer:
         self._lock: FolderLock | None = None
         self._resume_path: str | None = None
         self._stop_agreed = False
-
-    def register_test_probe(self, probe: STProbe) -> None:
-        """Attach a read-only ``STProbe`` (before ``setup``)."""
-        self.probe = probe
 
     # ---- build -------------------------------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
@@ -144,6 +146,8 @@ class Trainer:
 
     def _setup(self, cfg: TrainConfig) -> Trainer:
         cfg = cfg.with_model_section(self.task.model_section)  # the task's model rules, before anything else
+        if not self._subscriptions:
+            self._subscriptions = [events.subscribe(callback) for callback in self.subscribers]
         self.cfg, t = cfg, cfg.training
         self.recipe = cfg.low_precision.recipe
         self._preflight()  # device, the resume step: checks every rank makes alike, before any process group
@@ -193,9 +197,6 @@ class Trainer:
             max_grad_norm=t.clip_grad or None,
         )
         del initial  # the masters now hold the only high-precision copy of the 8-bit weights
-        if self.probe is not None:
-            self.probe.on_setup(model, self.task.low_precision_scope(model))
-            self.optimizer.add_refresh_hook(self.probe.on_refresh)
         if hf_start is not None:
             self._load_initial_hf(hf_start)
 
@@ -313,26 +314,17 @@ class Trainer:
             raise ConfigError(f"{key} / training.seq_len / training.micro_batch_size: {exc}") from None
 
     # ---- one step ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _probing(self) -> Iterator[None]:
-        if self.probe is None:
-            yield
-            return
-        with observe(self.probe.on_ops_event), record_gathers(self.probe.on_gather):
-            yield
-
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], loss_scale: float = 1.0) -> torch.Tensor:
         """Loss of one micro-batch, with its gradient (times ``loss_scale``) accumulated."""
         input_ids, labels = (x.to(self.device, non_blocking=True) for x in batch)
-        with self._probing(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+        with te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             loss = self.task.loss(self.model, input_ids, labels)
             (loss * loss_scale).backward()
         return loss.detach()
 
     def optimizer_step(self) -> StepResult:
         """Clip, update the FP32 masters and refresh 8-bit weights; skip if gradients are non-finite."""
-        with self._probing():
-            result = self.optimizer.step()
+        result = self.optimizer.step()
         self.optimizer.zero_grad()
         self.grad_norm = result.grad_norm
         if not result.updated:
@@ -357,8 +349,8 @@ class Trainer:
         if micro_batches is None:
             micro_batches = [next(self.batcher) for _ in range(t.gradient_accumulation_steps)]
         step = self.global_step
-        if self.probe is not None:
-            self.probe.begin_optimizer_step(step)
+        if events.has_subscribers(events.StepBeginEvent):
+            events.emit(events.StepBeginEvent(step))
         lr = self.set_lr(step)
         self._synchronize()
         start = time.perf_counter()
@@ -367,8 +359,6 @@ class Trainer:
         loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
         self._synchronize()
         elapsed = time.perf_counter() - start
-        if self.probe is not None:
-            self.probe.end_optimizer_step(updated=result.updated)
         self.global_step += 1
         tokens = sum(b[0].numel() for b in micro_batches) * self.world_size
         return StepRecord(step + 1, loss, result.grad_norm, lr, result.updated, elapsed * 1e3, tokens / elapsed)
@@ -503,15 +493,19 @@ class Trainer:
                           f"{report.bytes_read / 2**20:.1f} of {report.checkpoint_bytes / 2**20:.1f} MiB (its shards)")
 
     def close(self) -> None:
-        """Success path: close logs, release the checkpoint folder, and tear down the process
-        group if this trainer created it (after a barrier: every rank got here)."""
+        """Success path: close logs, release the checkpoint folder, end the subscriptions, and tear
+        down the process group if this trainer created it (after a barrier: every rank got here)."""
         self.abandon()
         if self._owns_process_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
     def abandon(self) -> None:
-        """Error path: close logs and release the checkpoint folder's lock, no collective."""
+        """Error path: close logs, release the checkpoint folder's lock and end the subscriptions,
+        no collective."""
+        for subscription in self._subscriptions:
+            subscription.close()
+        self._subscriptions = []
         if hasattr(self, "logger"):
             self.logger.close()
         if self._lock is not None:

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from te_npu.distributed import record_gathers, shard_model
+from te_npu.distributed import shard_model
+from te_npu.events import FSDPGatherEvent, subscribe
 from te_npu.tensor import HiF8Tensor
 from tests.distributed.harness import batch, build, local, loss_of, run_ranks
 
@@ -24,9 +25,10 @@ def _equivalence_worker(rank, world, workdir, fmt):
         x = batch(0)  # the same batch on every rank: averaged grads equal the unsharded ones exactly
         ref_loss = loss_of(reference, fmt, x)
         ref_loss.backward()
-        with record_gathers() as forward_gathers:
+        forward_gathers, backward_gathers = [], []
+        with subscribe(forward_gathers.append, FSDPGatherEvent):
             loss = loss_of(sharded, fmt, x)
-        with record_gathers() as backward_gathers:
+        with subscribe(backward_gathers.append, FSDPGatherEvent):
             loss.backward()
         grads_equal = {}
         for (fqn, p), (_, ref) in zip(sharded.named_parameters(), reference.named_parameters()):

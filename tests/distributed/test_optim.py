@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import te_npu
 from te_npu.distributed import MasterWeightOptimizer, shard_model
+from te_npu.events import OptimizerStepEvent, WeightRefreshEvent, subscribe
 from te_npu.tensor import HiF8Tensor, MXFP8Tensor, QuantizedWeightTensor
 from tests.distributed.harness import RECIPES, batch, build, local, loss_of, run_ranks
 
@@ -44,8 +45,9 @@ def _optimizer_worker(rank, world, workdir):
         shard_model(model, mesh, reshard_after_forward=True)
         opt = MasterWeightOptimizer(model, init, lr=1e-2, max_grad_norm=1.0)
         del init
-        hooked = []
-        opt.add_refresh_hook(hooked.append)
+        hooked, steps = [], []
+        refreshes = subscribe(lambda e: hooked.append(e.fqn), WeightRefreshEvent)
+        step_events = subscribe(steps.append, OptimizerStepEvent)
         requantized["total"] = 0
         for micro in range(2):  # micro-batches with full recompute: no refresh
             loss_of(model, fmt, batch(micro)).backward()
@@ -65,6 +67,9 @@ def _optimizer_worker(rank, world, workdir):
         result = opt.step()
         r["skip"] = (result.updated, result.skipped)
         r["after_skip"] = requantized["total"]
+        refreshes.close(), step_events.close()
+        r["hooked"] = sorted(hooked)  # still one per weight: the skipped step refreshed nothing
+        r["step_events"] = [(e.updated, e.skipped, e.grad_norm == e.grad_norm) for e in steps]
         r["masters_unchanged"] = all(torch.equal(local(m), masters_before[k]) for k, m in opt.masters.items())
         r["dtypes"] = {
             (str(local(m).dtype), str(opt.optimizer.state[m]["exp_avg"].dtype), str(opt.optimizer.state[m]["exp_avg_sq"].dtype))
@@ -90,6 +95,7 @@ def test_optimizer_refresh_counts_skip_and_scales(tmp_path):
             assert r["after_zero_grad"] == len(QUANTIZED), where
             assert r["skip"] == (False, True), where
             assert r["after_skip"] == len(QUANTIZED), where
+            assert r["step_events"] == [(True, False, True), (False, True, False)], where  # finite norm, then NaN
             assert r["masters_unchanged"], where
             assert r["dtypes"] == {("torch.float32",) * 3}, where
             assert r["dense_scales_equal"], where

@@ -19,12 +19,15 @@ def hf_model_for(config, seed):
     fields = to_hf_config_dict(config)
     for key in ("architectures", "model_type", "dtype"):
         fields.pop(key)
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**fields, attn_implementation="sdpa"))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    # transformers initialises from the global RNG (no generator argument): seed it inside a fork,
+    # so the twin is reproducible and no later test inherits the seed
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**fields, attn_implementation="sdpa"))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
     return model
 
 

@@ -1,12 +1,13 @@
 """Q3 system-test harness: 2 gloo ranks running the production ``Trainer`` with an ``STProbe``.
 
 Every run goes through ``load_config`` (a ``recipes/dsv3_tiny_<fmt>.yaml`` plus overrides) ->
-``Trainer(DeepseekV3Task())`` -> ``register_test_probe`` -> ``setup`` -> ``train_step`` /
+``Trainer(DeepseekV3Task(), subscribers=[probe])`` -> ``setup`` -> ``train_step`` /
 ``save_dcp`` / ``load_dcp`` (spec 16.6). Nothing here quantizes, gathers or refreshes: the
-probe only records what the production code emits, and ``PhaseProbe.attach`` wraps the
-trainer's ``forward_backward`` / ``optimizer_step`` *instance attributes* to tag each event
-with the phase it happened in (so "no weight quantization during forward/backward" is
-checkable while ``train_step`` itself drives the step).
+probe (``te_npu.testing.STProbe``) only records the ``te_npu.events`` the production code
+emits, and ``PhaseProbe.attach`` wraps the trainer's ``setup`` / ``forward_backward`` /
+``optimizer_step`` *instance attributes* to tag each event with the phase it happened in (so
+"no weight quantization during forward/backward" is checkable while ``train_step`` itself
+drives the step; setup's initial weight quantization is tagged ``setup``).
 
 Workers (``run_main_worker``, ``run_resume_worker``) are module-level so
 ``tests.distributed.harness.run_ranks`` can spawn them; they return plain dicts (records,
@@ -32,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from te_npu.ops.observe import GemmEvent, QuantEvent
-from te_npu.training.probe import STProbe
+from te_npu import events
+from te_npu.events import GemmEvent, QuantEvent
+from te_npu.testing import STProbe
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -81,25 +83,26 @@ def st_config(fmt: str, workdir, data_dir, *extra: str):
 
 @dataclass
 class PhaseProbe(STProbe):
-    """``STProbe`` that also records the phase (``forward_backward`` / ``optimizer_step`` / ``other``)
-    of every GEMM and quantization event, and the number of micro-steps per optimizer step."""
+    """``STProbe`` that also records the phase (``setup`` / ``forward_backward`` / ``optimizer_step`` /
+    ``other``) of every GEMM and quantization event, and the number of micro-steps per optimizer step."""
 
     phase: str = "other"
     gemm_phases: list[str] = field(default_factory=list)
     quant_phases: list[str] = field(default_factory=list)
     micro_steps: Counter = field(default_factory=Counter)
 
-    def on_ops_event(self, event: object) -> None:
-        super().on_ops_event(event)
+    def __call__(self, event: object) -> None:
+        super().__call__(event)
         if isinstance(event, GemmEvent):
             self.gemm_phases.append(self.phase)
         elif isinstance(event, QuantEvent):
             self.quant_phases.append(self.phase)
 
     def attach(self, trainer) -> None:
-        """Register on ``trainer`` and tag its two step pieces (instance attributes; read-only spies)."""
-        trainer.register_test_probe(self)
-        forward_backward, optimizer_step = trainer.forward_backward, trainer.optimizer_step
+        """Tag ``trainer``'s setup and two step pieces (instance attributes; read-only spies); once set
+        up, record its model's module types (the trainer has this probe among its subscribers)."""
+        assert self in trainer.subscribers
+        setup, forward_backward, optimizer_step = trainer.setup, trainer.forward_backward, trainer.optimizer_step
 
         def tagged(phase, fn, count=False):
             def call(*args, **kwargs):
@@ -113,6 +116,12 @@ class PhaseProbe(STProbe):
 
             return call
 
+        def setup_and_record(cfg):
+            result = tagged("setup", setup)(cfg)
+            self.on_setup(trainer.model, trainer.task.low_precision_scope(trainer.model))
+            return result
+
+        trainer.setup = setup_and_record
         trainer.forward_backward = tagged("forward_backward", forward_backward, count=True)
         trainer.optimizer_step = tagged("optimizer_step", optimizer_step)
 
@@ -184,8 +193,8 @@ def _trainer(cfg, lines: list[str]):
     from models.deepseek_v3.pretrain import DeepseekV3Task
     from te_npu.training.trainer import Trainer
 
-    trainer = Trainer(DeepseekV3Task(), print_fn=lines.append)
     probe = PhaseProbe()
+    trainer = Trainer(DeepseekV3Task(), print_fn=lines.append, subscribers=[probe])
     probe.attach(trainer)
     return trainer, probe
 
@@ -234,7 +243,7 @@ def _run(cfg, steps: int, *, save_at: int | None = None, save_dir: str | None = 
             records.append(_record(trainer.train_step()))
             if save_at is not None and trainer.global_step == save_at:
                 trainer.save_dcp(save_dir)
-        return {
+        result = {
             "records": records,
             "probe": probe,
             "setup_refreshes": setup_refreshes,
@@ -248,6 +257,8 @@ def _run(cfg, steps: int, *, save_at: int | None = None, save_dir: str | None = 
         }
     finally:
         trainer.close()
+    result["subscribed_after_close"] = events.has_subscribers()  # the trainer's subscriptions ended
+    return result
 
 
 PHASES = {

@@ -57,6 +57,14 @@ def test_q3_01_bf16_runs_no_low_precision_work(bf16_run):
 
 
 @pytest.mark.parametrize("fmt", ALL)
+def test_trainer_subscribers_see_the_run_and_end_with_close(run_of, fmt):
+    for rank in run_of(fmt)["ranks"]:
+        main = rank["main"]
+        assert main["probe"].step_updated == dict.fromkeys(range(H.MAIN_STEPS), True)  # OptimizerStepEvent per step
+        assert main["subscribed_after_close"] is False
+
+
+@pytest.mark.parametrize("fmt", ALL)
 def test_optimizer_state_is_fp32(run_of, fmt):
     for rank in run_of(fmt)["ranks"]:
         dtypes = rank["main"]["optimizer_dtypes"]

@@ -11,11 +11,13 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import te_npu
 from te_npu import ConfigError, HiF8CurrentScalingRecipe, MXFP8BlockRecipe
+from tests.seeded import seeded_init, seeded_randn
 
 MODULES = {
-    "dense": (lambda: te_npu.TELinear(64, 96, bias=True), (2, 32, 64), ()),
-    "grouped": (lambda: te_npu.TEGroupedLinear(4, 64, 96), (100, 64), ([40, 0, 55, 5],)),
-    "swiglu": (lambda: te_npu.TEGroupedSwiGLUExperts(4, 64, 32), (100, 64), ([40, 0, 55, 5],)),
+    "dense": (lambda: te_npu.TELinear(64, 96, bias=True, init_method=seeded_init(0)), (2, 32, 64), ()),
+    "grouped": (lambda: te_npu.TEGroupedLinear(4, 64, 96, init_method=seeded_init(0)), (100, 64), ([40, 0, 55, 5],)),
+    "swiglu": (lambda: te_npu.TEGroupedSwiGLUExperts(4, 64, 32, init_method=seeded_init(0, std=0.02)), (100, 64),
+               ([40, 0, 55, 5],)),
 }
 # (checkpointed call, what the module runs afterwards, before backward)
 SEQUENCES = [(MXFP8BlockRecipe(), HiF8CurrentScalingRecipe()), (MXFP8BlockRecipe(), None),
@@ -45,7 +47,6 @@ def _grads(module, x, extra, first, second, checkpoint_fn):
 @pytest.mark.parametrize("first, second", SEQUENCES, ids=SEQUENCE_IDS)
 def test_checkpoint_recompute_replays_the_recipe_of_the_checkpointed_call(kind, first, second):
     build, x_shape, extra = MODULES[kind]
-    torch.manual_seed(0)
     module = build()
     x = torch.randn(*x_shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     reference = _grads(module, x, extra, first, second, None)
@@ -54,9 +55,8 @@ def test_checkpoint_recompute_replays_the_recipe_of_the_checkpointed_call(kind, 
 
 
 def test_plain_torch_checkpoint_that_cannot_tell_the_recipe_raises_naming_te_npu_checkpoint():
-    torch.manual_seed(0)
-    module = te_npu.TELinear(64, 96)
-    x = torch.randn(32, 64).to(torch.bfloat16)
+    module = te_npu.TELinear(64, 96, init_method=seeded_init(0))
+    x = seeded_randn(1)(32, 64)
     with pytest.raises(RuntimeError, match=r"TELinear.*live autograd graphs ran 2 different recipes.*te_npu\.checkpoint"):
         _grads(module, x, (), MXFP8BlockRecipe(), HiF8CurrentScalingRecipe(),
                lambda *a: torch_checkpoint(*a, use_reentrant=False))
@@ -64,9 +64,8 @@ def test_plain_torch_checkpoint_that_cannot_tell_the_recipe_raises_naming_te_npu
 
 def test_plain_torch_checkpoint_with_one_recipe_and_backward_inside_another_autocast():
     """An autocast around ``backward()`` is not the checkpointed call's: the recompute ignores it."""
-    torch.manual_seed(0)
-    module = te_npu.TELinear(64, 96)
-    x = torch.randn(32, 64).to(torch.bfloat16).requires_grad_()
+    module = te_npu.TELinear(64, 96, init_method=seeded_init(0))
+    x = seeded_randn(1)(32, 64, requires_grad=True)
 
     def run(use_checkpoint):
         module.zero_grad(set_to_none=True)
@@ -80,9 +79,8 @@ def test_plain_torch_checkpoint_with_one_recipe_and_backward_inside_another_auto
 
 
 def test_user_context_fn_entering_autocast_in_recompute_is_honoured():
-    torch.manual_seed(0)
-    module = te_npu.TELinear(64, 96)
-    x = torch.randn(32, 64).to(torch.bfloat16)
+    module = te_npu.TELinear(64, 96, init_method=seeded_init(0))
+    x = seeded_randn(1)(32, 64)
     recipe = MXFP8BlockRecipe()
 
     def context_fn():
@@ -97,14 +95,14 @@ def test_user_context_fn_entering_autocast_in_recompute_is_honoured():
 def test_checkpoint_replays_autocast_entered_inside_the_function_and_retained_graphs():
     """An autocast inside the checkpointed function is re-entered by the recompute itself; a
     retained graph recomputes (and re-enters the replay context) once per backward."""
-    torch.manual_seed(0)
-    first, second = te_npu.TELinear(64, 64), te_npu.TELinear(64, 64)
+    init = seeded_init(0)
+    first, second = te_npu.TELinear(64, 64, init_method=init), te_npu.TELinear(64, 64, init_method=init)
 
     def body(x):
         with te_npu.autocast(recipe=HiF8CurrentScalingRecipe()):
             return second(first(x))
 
-    x = torch.randn(32, 64).to(torch.bfloat16).requires_grad_()
+    x = seeded_randn(1)(32, 64, requires_grad=True)
     with te_npu.autocast(recipe=MXFP8BlockRecipe()):
         ref = body(x)
         out = te_npu.checkpoint(body, x)
@@ -127,8 +125,8 @@ def test_checkpoint_passes_kwargs_and_user_context_fn():
         def __exit__(self, *exc):
             return False
 
-    module = te_npu.TELinear(64, 64, bias=True, return_bias=True)
-    x = torch.randn(32, 64).to(torch.bfloat16).requires_grad_()
+    module = te_npu.TELinear(64, 64, bias=True, return_bias=True, init_method=seeded_init(0))
+    x = seeded_randn(1)(32, 64, requires_grad=True)
     out, bias = te_npu.checkpoint(module, x, is_first_microbatch=True,
                                   context_fn=lambda: (Mark("forward"), Mark("recompute")))
     (out.float().sum() + bias.float().sum()).backward()
@@ -147,7 +145,7 @@ def test_checkpoint_refuses_te_only_arguments_with_the_reason(argument, value, r
 
 
 def test_checkpoint_accepts_te_no_op_values():
-    x = torch.randn(4, requires_grad=True)
+    x = seeded_randn(1)(4, dtype=torch.float32, requires_grad=True)
     y = te_npu.checkpoint(torch.sin, x, use_reentrant=False, distribute_saved_activations=False, tp_group=None)
     y.sum().backward()
     assert torch.equal(x.grad, torch.cos(x.detach()))

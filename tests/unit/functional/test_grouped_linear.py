@@ -8,7 +8,7 @@ import te_npu
 from te_npu import HiF8CurrentScalingRecipe, LowPrecisionUnavailableError, MXFP8BlockRecipe
 from te_npu.formats import QuantizationRole as Role
 from te_npu.functional import grouped_linear, grouped_swiglu, linear
-from te_npu.ops import GemmEvent, QuantEvent, observe
+from te_npu.events import GemmEvent, OperandEvent, QuantEvent, subscribe
 from tests.unit.functional.gemm_reference import RECIPES, fp32_close, grouped_reference, sqnr_db
 
 SPLITS = {
@@ -73,8 +73,10 @@ def test_grouped_linear_hif8_weight_scale_per_expert(rand):
     w = rand(4, 96, 64, requires_grad=True)
     with torch.no_grad():
         w[2] *= 100
-    stats = {}
-    grouped_linear(rand(64, 64), w, [16, 16, 16, 16], recipe=HiF8CurrentScalingRecipe(), stats=stats)
+    operands = []
+    with subscribe(operands.append, OperandEvent):
+        grouped_linear(rand(64, 64), w, [16, 16, 16, 16], recipe=HiF8CurrentScalingRecipe())
+    stats = {e.role: e for e in operands}  # the latest operand of each role
 
     assert stats[Role.WEIGHT_FWD].scale.shape == (4,)
     assert stats[Role.INPUT_FWD].scale.shape == ()
@@ -86,7 +88,7 @@ def test_grouped_linear_events(recipe, rand):
     x = rand(100, 64, requires_grad=True)
     w = rand(4, 96, 64, requires_grad=True)
     events = []
-    with observe(events.append):
+    with subscribe(events.append):
         grouped_linear(x, w, [40, 0, 55, 5], recipe=recipe).float().sum().backward()
     gemms = [(e.kind, e.gemm, e.left_shape, e.right_shape, e.num_groups) for e in events if isinstance(e, GemmEvent)]
     assert gemms == [("grouped", "fprop", (100, 64), (4, 96, 64), 4), ("grouped", "dgrad", (100, 96), (4, 96, 64), 4),
@@ -155,7 +157,7 @@ def test_grouped_swiglu_order_and_reference(recipe, rand):
     down = rand(4, 64, 32, dtype=torch.float32, scale=0.1, requires_grad=True)
     splits = [40, 0, 55, 5]
     events = []
-    with observe(events.append):
+    with subscribe(events.append):
         y = grouped_swiglu(x, gate_up, down, splits, recipe=recipe)
         y.sum().backward()
     gemms = [(e.gemm, e.right_shape[-2:] if e.gemm != "wgrad" else e.left_shape) for e in events

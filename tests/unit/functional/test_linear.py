@@ -9,21 +9,14 @@ import te_npu
 from te_npu import HiF8CurrentScalingRecipe, LowPrecisionUnavailableError, MXFP8BlockRecipe
 from te_npu.formats import QuantizationRole as Role
 from te_npu.functional import linear
-from te_npu.ops import GemmEvent, QuantEvent, observe
+from te_npu.events import GemmEvent, OperandEvent, QuantEvent, subscribe
 
 from tests.unit.functional.gemm_reference import RECIPES, bf16_close, dense_reference, fp32_close, sqnr_db
 
 
-class RoleLog(dict):
-    """A stats sink that also logs every (role, orientation) recorded, in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.log = []
-
-    def __setitem__(self, role, stats):
-        self.log.append((role, stats.orientation))
-        super().__setitem__(role, stats)
+def role_log(events) -> list:
+    """(role, orientation) of every ``OperandEvent`` in ``events``, in order."""
+    return [(e.role, e.orientation) for e in events if isinstance(e, OperandEvent)]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -63,16 +56,17 @@ def test_linear_bf16_dtypes_and_bias(recipe, rand):
 def test_linear_quantizes_each_role_once_and_runs_three_gemms(recipe, rand):
     x = rand(64, 96, requires_grad=True)
     w = rand(128, 96, scale=0.1, requires_grad=True)
-    sink, events = RoleLog(), []
-    with observe(events.append):
-        y = linear(x, w, recipe=recipe, stats=sink)
-        forward_log = list(sink.log)
+    events = []
+    with subscribe(events.append):
+        y = linear(x, w, recipe=recipe)
+        forward_log = role_log(events)
         y.float().sum().backward()
+    log = role_log(events)
     one_copy = recipe.format.value == "hif8"
     o = ("both", "both") if one_copy else ("row", "col")
     assert forward_log == [(Role.WEIGHT_FWD, o[0]), (Role.WEIGHT_BWD, o[1]), (Role.INPUT_FWD, o[0]),
                            (Role.INPUT_BWD, o[1])]
-    assert sink.log[4:] == [(Role.GRAD_OUTPUT, o[0]), (Role.GRAD_OUTPUT, o[1])]
+    assert log[4:] == [(Role.GRAD_OUTPUT, o[0]), (Role.GRAD_OUTPUT, o[1])]
     gemms = [e for e in events if isinstance(e, GemmEvent)]
     assert [(e.kind, e.layout, e.gemm, e.left_shape, e.right_shape) for e in gemms] == [
         ("dense", "NT", "fprop", (64, 96), (128, 96)),
@@ -138,7 +132,7 @@ def test_linear_backward_uses_forward_recipe(recipe, rand):
     with te_npu.autocast(recipe=recipe):
         y = linear(x, w, recipe=te_npu.get_autocast_recipe())
     events = []
-    with observe(events.append), te_npu.autocast(enabled=False):
+    with subscribe(events.append), te_npu.autocast(enabled=False):
         y.float().sum().backward()
     assert {e.format for e in events} == {recipe.format.value}
     assert [e.gemm for e in events if isinstance(e, GemmEvent)] == ["dgrad", "wgrad"]

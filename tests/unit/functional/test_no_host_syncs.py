@@ -2,7 +2,7 @@
 
 On CUDA / NPU each host read drains the stream; the emulation's BF16 plan and the NPU path
 share every check and layout computation that could read one. Counted by op with
-``te_npu.ops.host_syncs`` (so this runs on CPU), on both emulation plans.
+``te_npu.testing.count_host_syncs`` (so this runs on CPU), on both emulation plans.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 import te_npu
 from te_npu import HiF8CurrentScalingRecipe, MXFP8BlockRecipe
 from te_npu.ops import emulation
-from te_npu.ops.host_syncs import count_host_syncs
+from te_npu import events
+from te_npu.testing import count_host_syncs
+from tests.seeded import seeded_init, seeded_randn
 
 RECIPES = [MXFP8BlockRecipe(), HiF8CurrentScalingRecipe()]
 SPLITS = [10, 0, 57, 33]
@@ -57,16 +59,37 @@ def test_swiglu_experts_read_device_splits_once(recipe, plan, rand):
     assert syncs.calls == {"tolist": 1}
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_steps_with_every_event_subscribed_make_no_host_sync(recipe, rand):
+    """The event stream adds no host read: every event of a step built and delivered (their HiF8
+    amax / scale tensors stay on the device; reading an OperandEvent's derived amax is a device op)."""
+    layer = te_npu.TELinear(256, 128, bias=True, init_method=seeded_init(0))
+    experts = te_npu.TEGroupedSwiGLUExperts(len(SPLITS), 256, 64, init_method=seeded_init(1, std=0.02))
+    seen = []
+
+    def subscriber(event):
+        seen.append(event)
+        if isinstance(event, events.OperandEvent):
+            event.amax  # noqa: B018 -- computed on the device
+
+    with events.subscribe(subscriber):
+        dense = _step(layer, recipe, rand(64, 256, requires_grad=True))
+        grouped = _step(experts, recipe, rand(sum(SPLITS), 256, requires_grad=True), SPLITS)
+    assert dense.total == 0 and grouped.total == 0, (dense.calls, grouped.calls)
+    kinds = {type(e) for e in seen}
+    assert kinds == {events.QuantEvent, events.OperandEvent, events.GemmEvent}, kinds
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's own sync detector: needs a CUDA device")
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_cuda_steps_make_no_host_sync(recipe):
     """The same claim checked by CUDA itself: ``set_sync_debug_mode("error")`` raises on any
     synchronizing call (a warm-up step first: weight quantization and compiles may sync)."""
-    torch.manual_seed(0)
-    layer = te_npu.TELinear(256, 128, device="cuda")
-    experts = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, device="cuda")
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    xg = torch.randn(sum(SPLITS), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer = te_npu.TELinear(256, 128, init_method=seeded_init(0)).to("cuda")
+    experts = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, init_method=seeded_init(1)).to("cuda")
+    randn = seeded_randn(2)
+    x = randn(64, 256).to("cuda").requires_grad_()
+    xg = randn(sum(SPLITS), 256).to("cuda").requires_grad_()
 
     def step():
         with te_npu.autocast(recipe=recipe):

@@ -17,12 +17,14 @@ from torch import nn
 import te_npu
 from te_npu import functional as te_functional
 from te_npu.tensor import QuantizedWeightTensor, quantize_weight
+from tests.seeded import seeded_init, seeded_randn
 from tests.unit.functional.gemm_reference import RECIPES
 
 KINDS = {
-    "dense": (lambda: te_npu.TELinear(64, 96), (32, 64), ()),
-    "grouped": (lambda: te_npu.TEGroupedLinear(4, 64, 96), (100, 64), ([40, 0, 55, 5],)),
-    "swiglu": (lambda: te_npu.TEGroupedSwiGLUExperts(4, 64, 32), (100, 64), ([40, 0, 55, 5],)),
+    "dense": (lambda: te_npu.TELinear(64, 96, init_method=seeded_init(0)), (32, 64), ()),
+    "grouped": (lambda: te_npu.TEGroupedLinear(4, 64, 96, init_method=seeded_init(0)), (100, 64), ([40, 0, 55, 5],)),
+    "swiglu": (lambda: te_npu.TEGroupedSwiGLUExperts(4, 64, 32, init_method=seeded_init(0, std=0.02)), (100, 64),
+               ([40, 0, 55, 5],)),
 }
 
 
@@ -92,7 +94,6 @@ def _reference(kind: str, values: dict[str, torch.Tensor], recipe, quantized: bo
 def test_te_modules_forward_uses_values_written_between_forwards(recipe, kind, quantized):
     gen = torch.Generator().manual_seed(11)
     build, x_shape, extra = KINDS[kind]
-    torch.manual_seed(0)
     module = build()
     if quantized:
         te_npu.quantize_weights_(module, recipe)
@@ -118,8 +119,7 @@ def test_te_linear_stale_data_write_loss_decreases(recipe):
     target = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
 
     def losses(use_recipe):
-        torch.manual_seed(0)
-        lin = te_npu.TELinear(64, 64)
+        lin = te_npu.TELinear(64, 64, init_method=seeded_init(0))
         master = lin.weight.detach().float().clone().requires_grad_()
         optimizer = torch.optim.SGD([master], lr=0.5)
         out = []
@@ -142,15 +142,14 @@ def test_te_linear_stale_data_write_loss_decreases(recipe):
 def test_te_linear_is_first_microbatch_false_sees_metadata_changes(recipe):
     """``False`` reuses the kept copy only while nothing visible changed; a version bump, a new
     storage, a new parameter object, ``.to()`` or another recipe quantizes anew."""
-    from te_npu.ops import QuantEvent, observe
+    from te_npu.events import QuantEvent, subscribe
 
-    torch.manual_seed(0)
-    lin = te_npu.TELinear(64, 96)
-    x = torch.randn(32, 64).to(torch.bfloat16)
+    lin = te_npu.TELinear(64, 96, init_method=seeded_init(0))
+    x = seeded_randn(3)(32, 64)
 
     def quantizations(flag):
         events = []
-        with observe(events.append), te_npu.autocast(recipe=recipe):
+        with subscribe(events.append), te_npu.autocast(recipe=recipe):
             lin(x, is_first_microbatch=flag)
         return len([e for e in events if isinstance(e, QuantEvent) and e.shape == (96, 64)])
 
@@ -187,8 +186,7 @@ def test_te_linear_fresh_across_fsdp2_resharding_and_optimizer_steps(recipe):
     from torch.distributed.fsdp import fully_shard
 
     gen = torch.Generator().manual_seed(2)
-    torch.manual_seed(0)
-    sharded, reference = te_npu.TELinear(64, 96, params_dtype=torch.float32), None
+    sharded, reference = te_npu.TELinear(64, 96, params_dtype=torch.float32, init_method=seeded_init(0)), None
     reference = copy.deepcopy(sharded)
     xs = [torch.randn(32, 64, generator=gen) for _ in range(3)]
     store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)

@@ -6,7 +6,7 @@ import torch
 
 from te_npu.numerics import mxfp8
 from te_npu.numerics.groups import group_sizes_tensor, host_group_sizes, with_mirror_of
-from te_npu.ops.host_syncs import count_host_syncs
+from te_npu.testing import count_host_syncs
 
 
 def test_mirror_is_read_without_touching_the_values():

@@ -6,7 +6,8 @@ import torch
 
 from te_npu.formats import Format
 from te_npu.numerics import hif8, mxfp8
-from te_npu.ops import GemmEvent, QuantEvent, low_precision_grouped_matmul, low_precision_matmul, observe
+from te_npu.events import GemmEvent, QuantEvent, subscribe
+from te_npu.ops import low_precision_grouped_matmul, low_precision_matmul
 from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer
 
 FORMATS = [Format.MXFP8_E4M3, Format.HIF8]
@@ -175,13 +176,13 @@ def test_grouped_tn_group_sizes_must_match_group_list(gen):
         low_precision_grouped_matmul(left, right, torch.tensor([32, 32]), layout="TN", output_dtype=torch.float32)
 
 
-def test_observe_emits_gemm_and_quant_events(gen):
+def test_ops_emit_gemm_and_quant_events(gen):
     events, inner = [], []
     q = MXFP8Quantizer()
-    with observe(events.append):
+    with subscribe(events.append):
         left = q.quantize(_rand(gen, 32, 64), orientation="row")
         right = q.quantize(_rand(gen, 32, 64), orientation="row")
-        with observe(inner.append):
+        with subscribe(inner.append):
             low_precision_matmul(left, right, layout="NT", output_dtype=torch.bfloat16)
         codes, scale = HiF8Quantizer(224.0).quantize(_rand(gen, 4, 4), orientation="col").data, None
     gemms = [e for e in events if isinstance(e, GemmEvent)]
@@ -191,14 +192,14 @@ def test_observe_emits_gemm_and_quant_events(gen):
                                torch.bfloat16, "emulation", None)]
     assert [(e.format, e.orientation) for e in quants] == [("mxfp8_e4m3", "row")] * 2 + [("hif8", "col")]
     assert quants[-1].amax is not None and quants[-1].scale.dtype == torch.float32
-    low_precision_matmul(left, right, layout="NT", output_dtype=torch.bfloat16)  # no observer: nothing recorded
+    low_precision_matmul(left, right, layout="NT", output_dtype=torch.bfloat16)  # no subscriber: nothing recorded
     assert len(events) == 4
 
 
 def test_grouped_event_names_groups_and_gemm(gen):
     events = []
     left, right, group_list = _grouped_operands(gen, Format.HIF8, "TN", [3, 5])
-    with observe(events.append):
+    with subscribe(events.append):
         low_precision_grouped_matmul(left, right, group_list, layout="TN", output_dtype=torch.float32)
     (event,) = events
     assert (event.kind, event.gemm, event.num_groups, event.right_scale_dtype) == ("grouped", "wgrad", 2, torch.float32)

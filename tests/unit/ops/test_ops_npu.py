@@ -19,7 +19,7 @@ from te_npu.errors import LowPrecisionUnavailableError
 from te_npu.formats import Format
 from te_npu.numerics import hif8
 from te_npu.ops import emulation, layouts, npu, registry
-from te_npu.ops.host_syncs import count_host_syncs
+from te_npu.testing import count_host_syncs
 from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer
 from te_npu.tensor import HiF8Tensor, MXFP8Tensor
 from tests.npu_backend import install_npu_backend
@@ -342,7 +342,7 @@ def test_kernel_error_propagates_without_fallback(fake, gen, monkeypatch, fmt):
 def test_npu_backend_is_reported_in_events(fake, gen):
     make = _dense(gen, Format.HIF8, "NN")
     events = []
-    with ops.observe(events.append), ops.force_backend("npu"):
+    with te_npu.events.subscribe(events.append), ops.force_backend("npu"):
         ops.low_precision_matmul(*make(), layout="NN", output_dtype=torch.float32)
     assert [(type(e).__name__, e.backend) for e in events] == [("QuantEvent", "npu")] * 2 + [("GemmEvent", "npu")]
 

@@ -103,14 +103,14 @@ def test_hif8_tensor_grouped_split_moves_scale_with_experts(make_weight):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_hif8_refresh_with_given_scale_reports_the_amax_it_came_from(make_weight, shape):
-    from te_npu.ops import QuantEvent, observe
+    from te_npu.events import QuantEvent, subscribe
 
     t = HiF8Tensor.from_high_precision(make_weight(*shape))
     master = make_weight(*shape, dtype=torch.float32)
     group_amax = _amax(master) * 3  # e.g. the FSDP-group MAX: larger than this shard's
     scale = hif8.current_scale(group_amax, HIF8_INPUT_MAX)
     events = []
-    with observe(events.append):
+    with subscribe(events.append):
         t.refresh_from_master(master, scale=scale, amax=group_amax)
         t.refresh_from_master(master, scale=scale)  # no amax given: none reported
     with_amax, without = [e for e in events if isinstance(e, QuantEvent)]

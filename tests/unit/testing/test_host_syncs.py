@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from te_npu.ops.host_syncs import count_host_syncs
+from te_npu.testing import count_host_syncs
 
 
 def test_counts_each_kind_of_host_read():

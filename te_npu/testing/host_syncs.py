@@ -7,9 +7,15 @@ depends on tensor values (``nonzero``, boolean-mask indexing, ``repeat_interleav
 work until the device catches up. On CPU nothing waits, which is why this is detected by op,
 not by time: the same count holds on every device.
 
+    from te_npu.testing import count_host_syncs
+
     with count_host_syncs() as syncs:
         layer(x).sum().backward()
     assert syncs.total == 0, syncs.calls
+
+A test instrument (``te_npu.testing``): it patches ``torch.Tensor.tolist`` process-wide while
+the block runs, which no production code path may do. (``tolist`` reads memory directly, below
+the dispatcher, and a ``TorchFunctionMode`` misses the reads made inside backward.)
 """
 from __future__ import annotations
 

@@ -1,0 +1,41 @@
+"""Seeded randomness for tests that build TE modules: every value comes from a ``torch.Generator``
+the test owns, never from the global RNG (seeding that from a test leaks into every later test).
+
+``seeded_init(seed)`` is a TE module ``init_method`` that draws each weight from the module's own
+default distribution -- Kaiming-uniform ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for ``TELinear``
+(``nn.Linear``'s) and ``TEGroupedLinear`` (per expert), ``N(0, 0.02)`` for
+``TEGroupedSwiGLUExperts`` (``std=0.02``) -- so a test's weights are as they were with the default
+init, only reproducible without ``torch.manual_seed``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def seeded_init(seed: int, *, std: float | None = None) -> Callable[[torch.Tensor], None]:
+    """``init_method(weight)``: ``N(0, std)`` when given, else ``U(+-1/sqrt(weight.shape[-1]))``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def init(weight: torch.Tensor) -> None:
+        if std is not None:
+            weight.normal_(0.0, std, generator=gen)
+        else:
+            bound = 1.0 / math.sqrt(weight.shape[-1])
+            weight.uniform_(-bound, bound, generator=gen)
+
+    return init
+
+
+def seeded_randn(seed: int) -> Callable[..., torch.Tensor]:
+    """``randn(*shape, dtype=bf16, scale=1.0, requires_grad=False)``: normal values, one generator."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0,
+              requires_grad: bool = False) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).requires_grad_(requires_grad)
+
+    return randn
