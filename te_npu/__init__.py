@@ -10,7 +10,7 @@ from te_npu.autocast import (
 from te_npu.activation_checkpoint import checkpoint
 from te_npu.errors import ConfigError, LowPrecisionUnavailableError
 from te_npu.formats import Format, QuantizationRole
-from te_npu.modules import TEGroupedLinear, TEGroupedSwiGLUExperts, TELinear, assign_fqns
+from te_npu.modules import TEGroupedLinear, TEGroupedSwiGLUExperts, TELinear, TEModule, assign_fqns
 from te_npu import events, functional, moe, recipe
 from te_npu.ops import is_hif8_available, is_mxfp8_available
 from te_npu.quantize_weights import quantize_weights_
@@ -36,6 +36,7 @@ __all__ = [
     "TELinear",
     "TEGroupedLinear",
     "TEGroupedSwiGLUExperts",
+    "TEModule",
     "assign_fqns",
     "functional",
     "moe",

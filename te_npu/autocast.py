@@ -9,7 +9,7 @@ an exception) restores the outer state. Backward does not read this state: the a
 functions capture the recipe active in forward.
 
 Each autocast entry records the autograd graph task it was entered in
-(``torch._C._current_graph_task_id()``, -1 outside backward). A TE forward that runs inside
+(``te_npu.compat.current_graph_task_id()``, -1 outside backward). A TE forward that runs inside
 backward (activation recompute) trusts only an entry made inside that same backward, i.e. by
 the recompute itself (``te_npu.checkpoint`` replays the forward's state that way), never one
 that merely surrounds ``loss.backward()``.
@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from te_npu.compat import current_graph_task_id
 from te_npu.errors import ConfigError
 from te_npu.recipe import MXFP8BlockRecipe, Recipe, check_recipe
 
@@ -123,7 +122,7 @@ class autocast(_StackContext):  # noqa: N801 -- a context manager named like the
         self._state = AutocastState(bool(enabled), _resolve(enabled, recipe), amax_reduction_group)
 
     def _entry(self) -> AutocastState:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task == self._state.graph_task:
             return self._state
         return AutocastState(self._state.enabled, self._state.recipe, self._state.amax_reduction_group, task)

@@ -263,9 +263,6 @@ def materialize_(model: nn.Module, seed: int, device: torch.device | str = "cpu"
     return model
 
 
-_TE_MODULE_TYPES = (te_npu.TELinear, te_npu.TEGroupedLinear, te_npu.TEGroupedSwiGLUExperts)
-
-
 def low_precision_scope(model: nn.Module) -> list[str]:
     """FQNs of the TE modules, i.e. the GEMMs that run in 8 bits under ``te_npu.autocast``."""
-    return [name for name, module in model.named_modules() if isinstance(module, _TE_MODULE_TYPES)]
+    return [name for name, module in model.named_modules() if isinstance(module, te_npu.TEModule)]

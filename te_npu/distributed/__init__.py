@@ -17,7 +17,15 @@ from te_npu.distributed.optim import (
     global_grad_norm,
     refresh_low_precision_weights,
 )
-from te_npu.distributed.sharding import ShardPlan, plan_shards, shard_model, validate_parallel_config
+from te_npu.distributed.sharding import (
+    FSDPUnit,
+    ShardPlan,
+    layer_units,
+    plan_shards,
+    shard_model,
+    te_module_units,
+    validate_parallel_config,
+)
 from te_npu.tensor import HiF8Tensor, MXFP8Tensor
 
 install_fsdp_extension(MXFP8Tensor, MXFP8GatherSchema())
@@ -34,8 +42,11 @@ __all__ = [
     "finalize_low_precision_weights",
     "global_grad_norm",
     "refresh_low_precision_weights",
+    "FSDPUnit",
     "ShardPlan",
+    "layer_units",
     "plan_shards",
     "shard_model",
+    "te_module_units",
     "validate_parallel_config",
 ]

@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from te_npu.compat import local_tensor, non_persistent_buffer_names
 from te_npu.errors import ConfigError
 from te_npu.distributed.checkpoint_manifest import (
     MANIFEST_NAME,
@@ -273,7 +274,7 @@ def previous_complete_step(directory: str | os.PathLike, before: int) -> int | N
 def _state_dict(model: nn.Module, optimizer: MasterWeightOptimizer | None, *, for_save: bool) -> dict:
     model_view: dict[str, torch.Tensor] = {}
     for fqn, param in model.named_parameters():
-        quantized = isinstance(_local(param), QuantizedWeightTensor)
+        quantized = isinstance(local_tensor(param), QuantizedWeightTensor)
         if quantized and optimizer is not None and fqn in optimizer.masters:
             master = optimizer.masters[fqn]
             model_view[fqn] = master.detach().to(param.dtype) if for_save else torch.zeros_like(master, dtype=param.dtype)
@@ -296,7 +297,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
         f"{prefix}.{name}" if prefix else name: buffer
         for prefix, module in model.named_modules()
         for name, buffer in module.named_buffers(recurse=False)
-        if buffer is not None and name not in module._non_persistent_buffers_set
+        if buffer is not None and name not in non_persistent_buffer_names(module)
     }
 
 
@@ -311,22 +312,20 @@ def _high_precision_like(param: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
-        local = torch.zeros(param._local_tensor.shape, dtype=param.dtype, device=param._local_tensor.device)
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+        shard = local_tensor(param)
+        local = torch.zeros(shard.shape, dtype=param.dtype, device=shard.device)
+        return DTensor.fromlocal_tensor(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
     return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
 
 
 @torch.no_grad()
 def _weights_from_model_view(model: nn.Module, view: dict[str, torch.Tensor]) -> None:
-    quantized = [(fqn, p) for fqn, p in model.named_parameters() if isinstance(_local(p), QuantizedWeightTensor)]
+    quantized = [(fqn, p) for fqn, p in model.named_parameters() if isinstance(local_tensor(p), QuantizedWeightTensor)]
     refresh_low_precision_weights([p for _, p in quantized], [view[fqn] for fqn, _ in quantized])
     for fqn, param in model.named_parameters():
-        if not isinstance(_local(param), QuantizedWeightTensor) and view[fqn] is not param:
-            _local(param).copy_(_local(view[fqn]))
+        if not isinstance(local_tensor(param), QuantizedWeightTensor) and view[fqn] is not param:
+            local_tensor(param).copy_(local_tensor(view[fqn]))
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)
 
 
 # ---- files -------------------------------------------------------------------------------------

@@ -20,36 +20,39 @@ nothing from here:
 ``install_fsdp_extension(cls, schema)`` attaches the two methods (``te_npu.distributed``
 does it on import).
 
-Phase. FSDP2 does not pass the phase, so it is read where it is defined: an all-gather issued
-while the autograd engine runs a graph task (``torch._C._current_graph_task_id() != -1``:
-FSDP's pre-backward unshard, backward prefetch, and the recompute of full activation
-checkpointing, which replays forward inside backward) is ``"backward"``; anything else
-(forward, forward prefetch) is ``"forward"``. ``reshard_after_forward`` is read from the
-``FSDPParam`` (``post_forward_mesh_info is None`` means False) and ``param_fqn`` from
-``FSDPParam._param_fqn``; the ``FSDPParam`` is found through ``module`` (``shard_model``
-shards every TE module on its own, so ``module`` is the FSDP module holding the parameter).
-A parameter whose ``FSDPParam`` cannot be found gathers its full schema (backward phase).
+Phase. FSDP2 does not pass the phase; it is read from FSDP2's own state, as Transformer
+Engine's FSDP2 support reads it (through ``te_npu.compat``, which holds every FSDP2 internal
+used here): the parameter's group unsharding in state ``PRE_BACKWARD`` (its pre-backward
+unshard, a backward prefetch) is ``"backward"``, and so is an unshard while the autograd engine
+runs a backward (a module sharded on its own inside a region that activation checkpointing
+replays in backward: FSDP2 itself tells that case by the same test and keeps the weight
+unsharded for the backward that follows); anything else (forward, forward prefetch, an
+explicit ``unshard()``) is ``"forward"``. ``reshard_after_forward`` and ``param_fqn`` come
+from the same state. ``module`` (what FSDP2 passes) is the module registering the parameter;
+the unit managing it may be that module or any ancestor (a decoder layer). A parameter no
+FSDP2 unit manages gathers its full schema (backward phase).
 
-Schema changes between phases. FSDP2 allocates a parameter's all-gather output buffers once
-(``init_all_gather_outputs`` returns early afterwards), so a gather with different tensors
-(MXFP8 dense, ``reshard_after_forward=True``: row in forward, row + col in backward) first
-drops those buffers (``fsdp_param.all_gather_outputs = []``); the post then rebinds the
-unsharded tensor's inner fields to the new outputs and hands them to FSDP as the tensors to
-free at reshard. A field not gathered in this phase is a *storage-free placeholder* of the
-right shape, so ``select()`` on it raises instead of reading stale bytes.
+Schema changes between phases. FSDP2 allocates a parameter's all-gather output buffers once,
+sized by the first gather, so a gather with other tensors (MXFP8 dense,
+``reshard_after_forward=True``: row in forward, row + col in backward) first has them dropped
+(``compat.fit_all_gather_outputs``); the post then rebinds the unsharded tensor's inner fields
+to the new outputs and hands them to FSDP as the tensors to free at reshard
+(``compat.set_unsharded_inner_tensors``). A field not gathered in this phase is a
+*storage-free placeholder* of the right shape, so ``select()`` on it raises instead of reading
+stale bytes.
 
 Shape legend: ``W`` = FSDP world size, ``N_local`` = local rows, ``E_local`` = local experts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from te_npu import events
+from te_npu import compat, events
 from te_npu.events import FSDPGatherContext
-from te_npu.tensor import HiF8Tensor, MXFP8Tensor, QuantizedWeightTensor
+from te_npu.tensor import QuantizedWeightTensor
 
 __all__ = [
     "FSDPGatherContext",
@@ -65,7 +68,7 @@ class GatherSchema(Protocol):
     """Per-format choice and reassembly of the physical tensors of one all-gather."""
 
     def fields(self, shard: QuantizedWeightTensor, context: FSDPGatherContext) -> tuple[str, ...]:
-        """Inner-field names to gather, in order (a subset of ``type(shard)._inner_fields``)."""
+        """Inner-field names to gather, in order (a subset of ``shard.inner_field_names()``)."""
         ...
 
     def assemble(
@@ -116,7 +119,7 @@ class HiF8GatherSchema:
     """
 
     def fields(self, shard: QuantizedWeightTensor, context: FSDPGatherContext) -> tuple[str, ...]:
-        return tuple(type(shard)._inner_fields)  # the codes and the scale
+        return shard.inner_field_names()  # the codes and the scale
 
     def assemble(self, field, gathered, world_size, logical_shape, context):
         if field != "scale" or len(logical_shape) == 3:
@@ -162,22 +165,21 @@ class _GatherMetadata:
     dtypes: tuple[torch.dtype, ...]
     world_size: int
     logical_shape: torch.Size
+    fsdp_param: compat.FSDPParamInfo | None = None
 
 
 def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
     """FSDP2 hook on the local shard: the physical tensors of this phase plus metadata."""
-    fsdp_param = _find_fsdp_param(self, module)
-    context = _context(fsdp_param)
+    info = compat.fsdp_param_info(self, module)
+    context = _context(info)
     fields = gather_schema_of(type(self)).fields(self, context)
     tensors = tuple(getattr(self, name) for name in fields)
-    if fsdp_param is not None:
-        previous = getattr(fsdp_param, "_te_gathered_fields", None)
-        if previous is not None and previous != fields:
-            fsdp_param.all_gather_outputs = []  # FSDP reallocates buffers for the new schema
-        fsdp_param._te_gathered_fields = fields
     world_size = mesh.size()
+    if info is not None:
+        compat.fit_all_gather_outputs(info, tensors, world_size)  # FSDP reallocates for another schema
     metadata = _GatherMetadata(
-        context, fields, tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors), world_size, torch.Size(outer_size)
+        context, fields, tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors), world_size,
+        torch.Size(outer_size), info,
     )
     if events.has_subscribers(events.FSDPGatherEvent):
         local_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -197,19 +199,16 @@ def _fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         for name, gathered in zip(metadata.fields, outputs)
     }
     if out is not None:
-        for name in type(self)._inner_fields:
+        for name in self.inner_field_names():
             value = inner.get(name)
             setattr(out, name, value if value is not None else _placeholder_like(getattr(out, name)))
-        fsdp_param = getattr(self, "_te_fsdp_param", None)
-        if fsdp_param is not None:
-            fsdp_param._unsharded_inner_tensors = list(outputs)
+        if metadata.fsdp_param is not None:
+            compat.set_unsharded_inner_tensors(metadata.fsdp_param, list(outputs))
         return None
-    for name in type(self)._inner_fields:
+    for name in self.inner_field_names():
         if name not in inner:
             inner[name] = _full_shape_of(self, name, metadata)
-    unsharded = type(self)._make(
-        inner, shape=metadata.logical_shape, logical_dtype=param_dtype or self.dtype, quantizer=self._quantizer
-    )
+    unsharded = self.rewrap(inner, shape=metadata.logical_shape, logical_dtype=param_dtype or self.dtype)
     return unsharded, list(outputs)
 
 
@@ -221,28 +220,15 @@ def is_materialized(t: torch.Tensor) -> bool:
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-def _context(fsdp_param: Any) -> FSDPGatherContext:
-    in_backward = torch._C._current_graph_task_id() != -1
-    if fsdp_param is None:  # unknown FSDP layout: gather everything
+def _context(info: compat.FSDPParamInfo | None) -> FSDPGatherContext:
+    if info is None:  # unknown FSDP layout: gather everything
         return FSDPGatherContext("backward", False, "<unknown>")
+    backward = info.group_unsharding_for_backward or compat.in_autograd_backward()
     return FSDPGatherContext(
-        phase="backward" if in_backward else "forward",
-        reshard_after_forward=fsdp_param.post_forward_mesh_info is not None,
-        param_fqn=fsdp_param._param_fqn or "<unknown>",
+        phase="backward" if backward else "forward",
+        reshard_after_forward=info.reshard_after_forward,
+        param_fqn=info.param_fqn,
     )
-
-
-def _find_fsdp_param(shard: QuantizedWeightTensor, module: Any) -> Any:
-    cached = getattr(shard, "_te_fsdp_param", None)
-    if cached is not None:
-        return cached
-    get_state = getattr(module, "_get_fsdp_state", None)
-    group = getattr(get_state(), "_fsdp_param_group", None) if get_state is not None else None
-    for fsdp_param in getattr(group, "fsdp_params", ()):
-        if fsdp_param._sharded_local_tensor is shard:
-            shard._te_fsdp_param = fsdp_param  # the FSDPParam owns the shard: no cycle beyond FSDP's own
-            return fsdp_param
-    return None
 
 
 def _validate_outputs(cls_name: str, outputs: tuple, metadata: _GatherMetadata) -> None:

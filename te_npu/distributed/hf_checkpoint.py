@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
+from te_npu.compat import consolidate_safetensors_files, local_shape_and_global_offset
 from te_npu.distributed.hf_layout import HFKeyMap, HFPiece, HFStoredTensor, plan_hf_read, plan_hf_write
 from te_npu.distributed.progress import ProgressBar
 from te_npu.errors import ConfigError
@@ -211,10 +212,8 @@ def _local_region(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The local tensor of ``target`` and its offset in the global tensor, per dim."""
     if not isinstance(target, DTensor):
         return target, (0,) * target.dim()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offsets = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-    return target.to_local(), tuple(offsets)
+    _, offsets = local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return target.to_local(), offsets
 
 
 def _local_piece(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], piece: HFPiece,
@@ -293,14 +292,12 @@ def save_hf_weights(
     del state
     _barrier()
 
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
-
     mine = [i for i in names if (i - 1) % world == rank]
     with ProgressBar(len(mine), f"writing HF files (rank {rank}'s {len(mine)} of {len(names)})",
                      enabled=progress, unit="file") as bar:
         for index in mine:
             mapping = {e.key: names[index] for e in entries if e.file_index == index}
-            _consolidate_safetensors_files(staging, tmp, mapping, num_threads=1)
+            consolidate_safetensors_files(staging, tmp, mapping, num_threads=1)
             bar.update()
     _barrier()
     total = sum(_numel(e.shape) * e.dtype.itemsize for e in entries)

@@ -37,12 +37,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from te_npu import events
-from te_npu.formats import spec
-from te_npu.modules.base import TEModule
-from te_npu.numerics import hif8
-from te_npu.quantizers.hif8 import hif8_amax
+from te_npu.compat import local_tensor
 from te_npu.quantize_weights import quantize_weights_
 from te_npu.tensor import QuantizedWeightTensor
+from te_npu.tensor.weight import AmaxReduction
 
 __all__ = [
     "StepResult",
@@ -73,16 +71,14 @@ def finalize_low_precision_weights(model: nn.Module, recipe) -> dict[str, torch.
     Call after initialisation and before ``shard_model``; keep the returned dict only until
     ``MasterWeightOptimizer`` is built from it (it is the masters' only legitimate source).
     """
-    initial: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules():
-        if isinstance(module, TEModule):
-            for name in module._weight_names:
-                weight = getattr(module, name)
-                if isinstance(weight, QuantizedWeightTensor):
-                    raise ValueError(f"finalize_low_precision_weights: {prefix}.{name} is already quantized")
-                initial[f"{prefix}.{name}" if prefix else name] = weight.detach()
+    before: dict[str, torch.Tensor] = {}
+    for fqn, param in model.named_parameters():
+        if isinstance(param, QuantizedWeightTensor):
+            raise ValueError(f"finalize_low_precision_weights: {fqn} is already quantized")
+        before[fqn] = param.detach()
     quantize_weights_(model, recipe)
-    return initial
+    # the values of exactly the parameters that became 8-bit (the TE weights)
+    return {fqn: before[fqn] for fqn, param in model.named_parameters() if isinstance(param, QuantizedWeightTensor)}
 
 
 def refresh_low_precision_weights(
@@ -95,11 +91,13 @@ def refresh_low_precision_weights(
     """Re-quantize each 8-bit weight shard in place from its FP32 master shard (spec 13.6).
 
     params: ``QuantizedWeightTensor`` parameters (or DTensors over them); master_params: the
-    matching FP32 shards, same shapes. MXFP8: row and col copies from the local master shard.
-    HiF8 grouped: per-expert amax of the local shard (experts are never split). HiF8 dense: the
-    local amax is MAX-all-reduced over ``group`` (default: the parameter's FSDP mesh group)
-    so every rank quantizes its rows with one scale -- identical to quantizing the full weight.
-    Collectives are issued in ``params`` order, which must be the same on every rank.
+    matching FP32 shards, same shapes. Each weight refreshes itself
+    (``QuantizedWeightTensor.refresh_from_master``), given a MAX all-reduce of amaxes over
+    ``group`` (default: the parameter's FSDP mesh group; none for an unsharded parameter) that
+    a format whose scale spans the whole weight uses (HiF8 dense: every rank quantizes its rows
+    with the full weight's scale -- identical to quantizing the full weight); MXFP8 blocks and
+    HiF8 per-expert scales stay local. Collectives are issued in ``params`` order, which must
+    be the same on every rank.
 
     Route (both backends compute the same numbers by construction): the FP32 master is
     quantized as FP32, never rounded to BF16 first. On the NPU that means the kernels that take
@@ -109,21 +107,10 @@ def refresh_low_precision_weights(
     BF16 only). The emulation quantizes the same FP32 values with the same arithmetic.
     """
     for param, master in zip(params, master_params, strict=True):
-        shard, master_shard = _local(param), _local(master)
+        shard, master_shard = local_tensor(param), local_tensor(master)
         if not isinstance(shard, QuantizedWeightTensor):
             raise TypeError(f"refresh_low_precision_weights: expected a quantized weight, got {type(shard).__name__}")
-        scale = amax = None
-        fmt = spec(shard.format)
-        if not fmt.blocked and fmt.scale_groups(shard.dim()) == 0:  # one scale for the whole tensor:
-            amax = hif8_amax(master_shard)  # agreed over the FSDP group (a per-expert scale is local)
-            reduce_group = group if group is not None else _mesh_group(param)
-            if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=reduce_group)
-            scale = hif8.current_scale(amax, shard._quantizer.format_max)
-        if amax is None:
-            shard.refresh_from_master(master_shard, scale=scale)
-        else:  # the group amax the scale came from, for quantization observers
-            shard.refresh_from_master(master_shard, scale=scale, amax=amax)
+        shard.refresh_from_master(master_shard, reduce_amax=_max_over(group if group is not None else _mesh_group(param)))
         if on_refresh is not None:
             on_refresh(param)
 
@@ -136,7 +123,7 @@ def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """
     sharded, replicated, group = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32), None
     for grad in grads:
-        local = _local(grad).float()
+        local = local_tensor(grad).float()
         squares = local.pow(2).sum().cpu()
         if isinstance(grad, DTensor) and any(isinstance(p, Shard) for p in grad.placements):
             sharded += squares
@@ -221,7 +208,7 @@ class MasterWeightOptimizer:
         if self.max_grad_norm is not None:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             for grad in grads:
-                grad.mul_(coef.to(_local(grad).device))
+                grad.mul_(coef.to(local_tensor(grad).device))
         self.optimizer.step()
         self._drop_master_grads()
         self.rebuild_weights_from_masters()
@@ -230,13 +217,13 @@ class MasterWeightOptimizer:
     @torch.no_grad()
     def rebuild_weights_from_masters(self) -> None:
         """Refresh every 8-bit shard once and copy high-precision params from their masters."""
-        quantized = [fqn for fqn, p in self.params.items() if isinstance(_local(p), QuantizedWeightTensor)]
+        quantized = [fqn for fqn, p in self.params.items() if isinstance(local_tensor(p), QuantizedWeightTensor)]
         refresh_low_precision_weights(
             [self.params[f] for f in quantized], [self.masters[f] for f in quantized], on_refresh=self._count
         )
         for fqn, param in self.params.items():
             if fqn not in quantized:
-                _local(param).copy_(_local(self.masters[fqn]).to(param.dtype))
+                local_tensor(param).copy_(local_tensor(self.masters[fqn]).to(param.dtype))
 
     def state_for(self, fqn: str) -> dict[str, torch.Tensor]:
         """``{master, exp_avg, exp_avg_sq, step}`` of one parameter (live tensors)."""
@@ -265,7 +252,7 @@ class MasterWeightOptimizer:
 
 def _make_master(fqn: str, param: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
     """FP32 master shard laid out like ``param`` (DTensor with its placements, or plain)."""
-    if not isinstance(_local(param), QuantizedWeightTensor):
+    if not isinstance(local_tensor(param), QuantizedWeightTensor):
         return param.detach().to(torch.float32, copy=True)
     if initial is None:
         raise ValueError(
@@ -274,7 +261,7 @@ def _make_master(fqn: str, param: torch.Tensor, initial: torch.Tensor | None) ->
         )
     if list(initial.shape) != list(param.shape):
         raise ValueError(f"MasterWeightOptimizer: initial value of {fqn!r} has shape {list(initial.shape)}, param {list(param.shape)}")
-    full = initial.detach().to(device=_local(param).device, dtype=torch.float32)
+    full = initial.detach().to(device=local_tensor(param).device, dtype=torch.float32)
     if not isinstance(param, DTensor):
         return full.clone()
     sharded = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -284,12 +271,20 @@ def _make_master(fqn: str, param: torch.Tensor, initial: torch.Tensor | None) ->
     )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _mesh_group(param: torch.Tensor):
     return param.device_mesh.get_group() if isinstance(param, DTensor) else None
+
+
+def _max_over(group) -> AmaxReduction | None:
+    """A MAX all-reduce of an amax over ``group`` (None: no group, or a group of one)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+
+    def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax
+
+    return reduce_amax
 
 
 def _collective_device(group) -> torch.device:

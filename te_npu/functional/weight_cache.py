@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from te_npu.compat import in_autograd_backward
 from te_npu.errors import LowPrecisionUnavailableError
 from te_npu.formats import QuantizationRole
 from te_npu.functional.operands import GemmContext, GemmNumerics, quantize_pair
@@ -93,7 +94,7 @@ class WeightCache:
         context = context or GemmContext()
         if is_first_microbatch is None or weight.is_inference():  # inference tensors have no version
             return _quantize(weight, numerics, context)
-        recompute = torch._C._current_graph_task_id() != -1  # a forward replayed inside backward
+        recompute = in_autograd_backward()  # a forward replayed inside backward
         reuse = is_first_microbatch is False or recompute
         if reuse and self._valid_for(weight, numerics):
             return self._operands

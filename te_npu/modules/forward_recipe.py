@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from te_npu.autocast import get_autocast_state
+from te_npu.compat import current_graph_task_id, in_autograd_backward
 from te_npu.recipe import Recipe
 
 __all__ = ["ForwardRecipes", "in_backward"]
@@ -32,7 +33,7 @@ __all__ = ["ForwardRecipes", "in_backward"]
 
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
+    return in_autograd_backward()
 
 
 class _GraphRecord:
@@ -58,7 +59,7 @@ class ForwardRecipes:
     def current(self, name: str) -> Recipe | None:
         """The recipe the forward starting now must run in; ``name`` is used in errors."""
         state = get_autocast_state()
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task == -1 or state.graph_task == task:
             return state.recipe
         recipes = {record.recipe for record in list(self._live)}

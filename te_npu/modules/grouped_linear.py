@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from te_npu import functional as te_functional
+from te_npu.compat import grouped_mm, grouped_mm_available
 from te_npu.functional.dtypes import activation_dtype
 from te_npu.functional.operands import group_list_tensor
 from te_npu.modules.base import TEModule
@@ -32,9 +33,9 @@ def _checked_group_sizes(m_splits: Sequence[int] | torch.Tensor, num_groups: int
 
 def _grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """x: ``[T, K]`` sorted by group; weight: ``[G, N, K]`` (x's dtype); checked sizes ``[G]`` -> ``[T, N]``."""
-    if hasattr(torch, "_grouped_mm") and x.device.type in ("cuda", "cpu"):
+    if grouped_mm_available() and x.device.type in ("cuda", "cpu"):
         offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     chunks = torch.split(x, list(host_group_sizes(group_sizes)))
     # unbind, not weight[g]: the backward of G selects would materialise G zero-filled [G, N, K]
     # gradients (64 experts at 16B shapes: ~100 GB of memset per step); unbind's is one stack.

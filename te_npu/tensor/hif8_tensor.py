@@ -23,12 +23,12 @@ from typing import ClassVar
 
 import torch
 
-from te_npu.formats import Format, Orientation
+from te_npu.formats import Format, Orientation, spec
 from te_npu.numerics import hif8
 from te_npu.numerics.constants import HIF8_INPUT_MAX
-from te_npu.quantizers.hif8 import HiF8Quantizer
+from te_npu.quantizers.hif8 import HiF8Quantizer, hif8_amax
 from te_npu.ops.operand import QuantizedOperand
-from te_npu.tensor.weight import QuantizedWeightTensor
+from te_npu.tensor.weight import AmaxReduction, QuantizedWeightTensor, ShardAlignment
 
 __all__ = ["HiF8Tensor"]
 
@@ -40,6 +40,9 @@ class HiF8Tensor(QuantizedWeightTensor):
     _handlers: ClassVar[dict] = {}  # format-specific aten handlers (none yet); base table applies
     quantizer_type: ClassVar[type] = HiF8Quantizer
     format: ClassVar[Format] = Format.HIF8
+    shard_alignment: ClassVar[ShardAlignment] = ShardAlignment(
+        rows=1, reason="any row: one scale per tensor (agreed across shards) or per whole expert"
+    )
 
     qdata: torch.Tensor
     scale: torch.Tensor
@@ -90,21 +93,28 @@ class HiF8Tensor(QuantizedWeightTensor):
         self._require_weight_shape("dequantize")
         return hif8.dequantize(self.qdata, self.scale).to(dtype or self.dtype)
 
-    def refresh_from_master(self, master_shard: torch.Tensor, *, scale: torch.Tensor | None = None,
-                            amax: torch.Tensor | None = None) -> None:
+    def refresh_from_master(self, master_shard: torch.Tensor, *, reduce_amax: AmaxReduction | None = None) -> None:
         """Re-quantize from ``master_shard`` (same shape) into the existing data and scale.
 
-        ``scale``: the FP32 scale to use (the optimizer passes the current scale of the FSDP-group
-        MAX-reduced amax, ``amax * (1 / 15)``, for a dense shard, so every rank quantizes with the same scalar);
-        ``None`` computes the current scale of ``master_shard``. ``amax``: the amax ``scale`` was
-        derived from, reported to quantization observers (optional).
+        Dense ``[N, K]`` (one scalar scale for the whole weight): the FP32 amax of the shard,
+        combined by ``reduce_amax`` with the other shards' (the optimizer MAX-reduces it over the
+        FSDP group), gives the scale ``amax * (1 / format_max)`` every shard quantizes with, so
+        the gathered weight equals quantizing the full weight; that amax is reported to
+        quantization observers. Grouped ``[E, N, K]``: each whole expert in the shard has its own
+        current scale; ``reduce_amax`` is not called.
         """
         self._require_weight_shape("refresh_from_master")
         if list(master_shard.shape) != list(self.shape):
             raise ValueError(f"refresh_from_master: master shape {list(master_shard.shape)} != weight {list(self.shape)}")
-        if scale is not None and list(scale.shape) != list(self.scale.shape):
-            raise ValueError(f"refresh_from_master: scale shape {list(scale.shape)} != {list(self.scale.shape)}")
-        self._store(_quantize(self._quantizer, master_shard.detach(), scale, amax))
+        master_shard = master_shard.detach()
+        if spec(self.format).scale_groups(self.dim()):  # per-expert scales: local to the shard
+            self._store(_quantize(self._quantizer, master_shard, None))
+            return
+        amax = hif8_amax(master_shard)
+        if reduce_amax is not None:
+            amax = reduce_amax(amax)
+        scale = hif8.current_scale(amax, self._quantizer.format_max)
+        self._store(_quantize(self._quantizer, master_shard, scale, amax))
 
     def _requantize_(self, high_precision: torch.Tensor) -> None:
         self._store(_quantize(self._quantizer, high_precision.detach(), None))

@@ -12,7 +12,16 @@ an already-rounded copy along the other axis would add a second rounding.
 
 Dim-0 slicing (FSDP2 shards dim 0): for a 3D weight every inner tensor has ``E`` first, so
 experts split cleanly. For a 2D weight ``col_scale`` has one row per 32 weight rows, so a
-dim-0 boundary is legal only at a multiple of 32 (FSDP2's validation asks local rows % 64).
+dim-0 view is legal only at a multiple of 32 (``_slice_dim0``).
+
+FSDP2 shards ask more (``shard_alignment``, spec 9.1): a multiple of 64 rows of the flattened
+``[-1, K]`` weight (dense ``N_local``, grouped ``E_local * N``), one pair of 32-row scale
+blocks, the unit of the Ascend kernels' scale layout (``te_npu.ops.layouts``). Each rank
+refreshes its shard with the NPU quantization kernels, which return col scales in 64-row pairs
+(``[..., N/64, K, 2]``); for a dense shard on pair boundaries those pairs are exactly the full
+weight's, no half pair is padded and stripped, and ``copy_canonical_scale_`` writes them in one
+copy. The stored canonical layout alone would allow any 32-row boundary (numerically the
+same weight); 64 is the spec's rule and the kernels' granularity.
 """
 from __future__ import annotations
 
@@ -23,9 +32,9 @@ import torch
 from te_npu.formats import Format, Orientation
 from te_npu.quantizers.mxfp8 import MXFP8Quantizer
 from te_npu.numerics import mxfp8
-from te_npu.ops.layouts import copy_canonical_scale_, to_canonical
+from te_npu.ops.layouts import PAIR, copy_canonical_scale_, to_canonical
 from te_npu.ops.operand import QuantizedOperand
-from te_npu.tensor.weight import QuantizedWeightTensor
+from te_npu.tensor.weight import AmaxReduction, QuantizedWeightTensor, ShardAlignment
 
 __all__ = ["MXFP8Tensor"]
 
@@ -40,6 +49,9 @@ class MXFP8Tensor(QuantizedWeightTensor):
     _handlers: ClassVar[dict] = {}  # format-specific aten handlers (none yet); base table applies
     quantizer_type: ClassVar[type] = MXFP8Quantizer
     format: ClassVar[Format] = Format.MXFP8_E4M3
+    shard_alignment: ClassVar[ShardAlignment] = ShardAlignment(
+        rows=PAIR, reason="whole pairs of 32-row scale blocks, the NPU kernels' scale layout (spec 9.1)"
+    )
 
     row_data: torch.Tensor
     row_scale: torch.Tensor
@@ -106,10 +118,11 @@ class MXFP8Tensor(QuantizedWeightTensor):
         value = mxfp8.dequantize(self.row_data, self.row_scale, axis=-1, block_size=self._quantizer.block_size)
         return value.to(dtype or self.dtype)
 
-    def refresh_from_master(self, master_shard: torch.Tensor, *, scale: torch.Tensor | None = None) -> None:
+    def refresh_from_master(self, master_shard: torch.Tensor, *, reduce_amax: AmaxReduction | None = None) -> None:
         """Re-quantize both copies from ``master_shard`` (same shape) into the existing storage.
 
-        ``scale`` is accepted for a uniform optimizer call and ignored: MX scales are per block.
+        ``reduce_amax`` is never called: every MX scale covers one 32-element block inside this
+        shard, so no scale depends on another shard.
         """
         self._require_weight_shape("refresh_from_master")
         if list(master_shard.shape) != list(self.shape):

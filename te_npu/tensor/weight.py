@@ -27,19 +27,39 @@ shared handlers below build every split / slice / pad from those two.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Callable, ClassVar
 
 import torch
 
+from te_npu.compat import disabled_torch_function_impl, make_wrapper_subclass
 from te_npu.formats import Format, Orientation
 from te_npu.ops.operand import QuantizedOperand
 
-__all__ = ["QuantizedWeightTensor", "implements", "attach_high_precision_init_val"]
+__all__ = ["QuantizedWeightTensor", "AmaxReduction", "ShardAlignment", "implements", "attach_high_precision_init_val"]
 
 aten = torch.ops.aten
 
 Handler = Callable[[Any, tuple, dict], Any]
+
+AmaxReduction = Callable[[torch.Tensor], torch.Tensor]
+"""Combines one shard's FP32 amax with the other shards' of the same weight and returns the amax
+of the whole weight (the optimizer passes a MAX all-reduce over the FSDP group; may work in place)."""
+
+
+@dataclass(frozen=True)
+class ShardAlignment:
+    """Where an FSDP2 dim-0 shard of a weight class may begin and end.
+
+    rows: every shard holds a multiple of this many rows of the weight's flattened ``[-1, K]``
+    view (dense ``[N, K]``: ``N_local``; grouped ``[E, N, K]``: ``E_local * N``); 1 means any
+    row. (Dim 0 itself is always split into equal parts, so a grouped weight is always split
+    between whole experts.) reason: why, for the error naming a parameter that breaks it.
+    """
+
+    rows: int
+    reason: str
 
 
 def implements(table: dict, *ops: Any) -> Callable[[Handler], Handler]:
@@ -59,6 +79,7 @@ class QuantizedWeightTensor(torch.Tensor):
     Subclasses declare:
     - ``_inner_fields``: names of the inner tensors, in ``__tensor_flatten__`` order;
     - ``format``: the ``Format`` of the payload; ``quantizer_type``: its quantizer class;
+    - ``shard_alignment``: the ``ShardAlignment`` FSDP2 shards must keep;
     - ``_handlers``: their own aten table (format-specific entries; looked up before the
       base table along the MRO);
     - ``_slice_dim0(start, stop)`` / ``_zeros_like_rows(rows)`` / ``_requantize_(hp)``,
@@ -72,6 +93,7 @@ class QuantizedWeightTensor(torch.Tensor):
     _handlers: ClassVar[dict] = {}
     format: ClassVar[Format]
     quantizer_type: ClassVar[type]
+    shard_alignment: ClassVar[ShardAlignment]
 
     @staticmethod
     def __new__(cls, *args: Any, **kwargs: Any) -> "QuantizedWeightTensor":
@@ -92,9 +114,7 @@ class QuantizedWeightTensor(torch.Tensor):
         if missing:
             raise ValueError(f"{cls.__name__}: missing inner tensor(s) {missing}")
         first = inner[cls._inner_fields[0]]
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, tuple(shape), dtype=logical_dtype, device=first.device, requires_grad=requires_grad
-        )
+        self = make_wrapper_subclass(cls, shape, dtype=logical_dtype, device=first.device, requires_grad=requires_grad)
         for name in cls._inner_fields:
             setattr(self, name, inner[name])
         self._quantizer = quantizer
@@ -122,6 +142,40 @@ class QuantizedWeightTensor(torch.Tensor):
 
     def _check_inner(self) -> None:
         """Raise ``ValueError`` when inner shapes/dtypes do not fit ``weight_shape``."""
+
+    # ---- public accessors (FSDP2 extension, optimizer, sharding) ---------------------------------
+
+    @property
+    def quantizer(self) -> Any:
+        """The frozen quantizer this weight is (re)quantized with."""
+        return self._quantizer
+
+    @classmethod
+    def inner_field_names(cls) -> tuple[str, ...]:
+        """Names of the inner tensors (attributes of every instance), in ``__tensor_flatten__`` order."""
+        return cls._inner_fields
+
+    def rewrap(self, inner: dict[str, torch.Tensor], *, shape: tuple[int, ...] | torch.Size | None = None,
+               logical_dtype: torch.dtype | None = None) -> "QuantizedWeightTensor":
+        """This class and quantizer over other inner tensors (no copy), e.g. all-gathered shards;
+        ``shape`` / ``logical_dtype`` default to this weight's."""
+        return type(self)._make(
+            inner,
+            shape=self.shape if shape is None else shape,
+            logical_dtype=logical_dtype or self.dtype,
+            quantizer=self._quantizer,
+        )
+
+    def refresh_from_master(self, master_shard: torch.Tensor, *, reduce_amax: AmaxReduction | None = None) -> None:
+        """Re-quantize from ``master_shard`` (the FP32 master of this shard, same shape) into the
+        existing storage (the optimizer's per-step refresh).
+
+        ``reduce_amax``: how this shard's amax joins the other shards' of the same weight. A
+        format whose scale spans the whole weight (HiF8 dense: one scalar) calls it, so every
+        shard quantizes with the scale of the full weight; formats whose scales stay inside a
+        shard (MXFP8 blocks, HiF8 per-expert) never call it. None: this shard is the whole weight.
+        """
+        raise NotImplementedError
 
     # ---- subclass hooks -------------------------------------------------------------------------
 
@@ -152,12 +206,7 @@ class QuantizedWeightTensor(torch.Tensor):
 
     def _rewrap(self, inner: dict[str, torch.Tensor], shape: tuple[int, ...] | torch.Size | None = None):
         """Same class / logical dtype / quantizer over new inner tensors."""
-        return type(self)._make(
-            inner,
-            shape=self.shape if shape is None else shape,
-            logical_dtype=self.dtype,
-            quantizer=self._quantizer,
-        )
+        return self.rewrap(inner, shape=shape)
 
     def _map_inner(self, fn: Callable[[torch.Tensor], torch.Tensor]):
         return self._rewrap({name: fn(t) for name, t in self._inner().items()})
@@ -179,7 +228,7 @@ class QuantizedWeightTensor(torch.Tensor):
             f"logical_dtype={self.dtype}, device={self.device}, {inner}{grad})"
         )
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -29,8 +29,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from te_npu.compat import tree_map
 from te_npu.tensor.weight import QuantizedWeightTensor, implements
 
 __all__ = ["QuantizedWeightUpdateWarning"]

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from te_npu.compat import non_persistent_buffer_names
 from te_npu.distributed import checkpoint
 from te_npu.distributed.checkpoint import persistent_buffers
 from te_npu.distributed.hf_checkpoint import HFWriteReport, save_hf_weights
@@ -96,7 +97,7 @@ def _materialize_sharded_(model: nn.Module, mesh) -> None:
             module.register_parameter(name, nn.Parameter(_sharded_zeros(tuple(param.shape), param.dtype, mesh)))
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer is not None:
-                persistent = name not in module._non_persistent_buffers_set
+                persistent = name not in non_persistent_buffer_names(module)
                 module.register_buffer(name, torch.zeros(buffer.shape, dtype=buffer.dtype), persistent=persistent)
 
 

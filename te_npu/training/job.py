@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from te_npu.compat import default_store
 from te_npu.errors import ConfigError
 from te_npu.training.divergence import TrainingDiverged
 
@@ -236,12 +237,9 @@ def _flush(stream) -> None:
             pass
 
 
-# ---- private torch touches (issue 13 moves these into the compat module) -----------------------
-
-
 def _job_store():
     """The default process group's store (torchrun's agent store or the init_method's)."""
-    return dist.distributed_c10d._get_default_store()
+    return default_store()
 
 
 def _abort_process_group() -> None:

@@ -39,12 +39,13 @@ from te_npu.distributed import (
     StepResult,
     checkpoint,
     finalize_low_precision_weights,
+    layer_units,
     shard_model,
 )
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
-from te_npu.distributed.sharding import TE_MODULE_TYPES
+from te_npu.compat import local_tensor
 from te_npu.errors import ConfigError
-from te_npu.modules.base import assign_fqns
+from te_npu.modules import TEModule, assign_fqns
 from te_npu.ops import require_low_precision
 from te_npu.training import hf_weights, preflight
 from te_npu.training.config import TrainConfig
@@ -175,14 +176,15 @@ class Trainer:
         self.shard_plan = None
         if self.world_size > 1:
             mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
+            # torchtitan's units: one per decoder layer (its 8-bit weights gathered in the layer's
+            # group), FP32 modules of a BF16 model apart, the embedding, final norm + lm_head
             self.shard_plan = shard_model(
                 model,
                 mesh,
+                units=layer_units(model, self.task.layer_types(), apart=_other_dtype_modules(model, self.dtype)),
                 reshard_after_forward=cfg.fsdp_config.reshard_after_forward,
                 fallback_to_unsharded=cfg.fsdp_config.fallback_to_unsharded,
                 comm_fusion=cfg.fsdp_config.comm_fusion,
-                layer_types=self.task.layer_types(),
-                unit_types=TE_MODULE_TYPES + _other_dtype_module_types(model, self.dtype),
             )
         if cfg.activation_checkpoint.mode == "full":
             apply_activation_checkpointing(model, self.task.layer_types())
@@ -530,7 +532,7 @@ class Trainer:
         return float(both[0] / self.world_size), bool(both[1] > 0)
 
     def _require_finite_masters(self) -> None:
-        bad = [fqn for fqn, m in self.optimizer.masters.items() if not bool(torch.isfinite(_local(m)).all())]
+        bad = [fqn for fqn, m in self.optimizer.masters.items() if not bool(torch.isfinite(local_tensor(m)).all())]
         count = torch.tensor(float(len(bad)))
         if self.world_size > 1:
             count = count.to(self._collective_device())
@@ -571,17 +573,11 @@ class Trainer:
             self._print(line)
 
 
-def _other_dtype_module_types(model: nn.Module, dtype: torch.dtype) -> tuple[type[nn.Module], ...]:
-    """Types of modules owning a parameter not in ``dtype`` (e.g. the FP32 router of a BF16 model).
+def _other_dtype_modules(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
+    """Modules (not TE modules) owning a parameter not in ``dtype`` (e.g. the FP32 router of a
+    BF16 model). FSDP2 needs one original dtype per parameter group, so each is its own unit."""
+    return [
+        m for m in model.modules()
+        if m is not model and not isinstance(m, TEModule) and any(p.dtype != dtype for p in m.parameters(recurse=False))
+    ]
 
-    FSDP2 needs one original dtype per parameter group, so each such module becomes its own unit.
-    """
-    types = {
-        type(m) for m in model.modules()
-        if m is not model and any(p.dtype != dtype for p in m.parameters(recurse=False))
-    }
-    return tuple(sorted(types - set(TE_MODULE_TYPES), key=lambda t: t.__qualname__))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from te_npu import events
+from te_npu.compat import local_tensor
 from te_npu.events import GemmEvent, QuantEvent
 from te_npu.testing import STProbe
 
@@ -182,7 +183,7 @@ def expected_weight_fqns(low_precision_modules: dict[str, str]) -> set[str]:
 
 
 def _local(t):
-    return getattr(t, "_local_tensor", t)
+    return local_tensor(t)
 
 
 def _record(r) -> dict:

@@ -64,19 +64,33 @@ def test_hif8_tensor_refresh_from_master_current_scaling_in_place(make_weight, s
     assert torch.equal(t.qdata, fresh.qdata) and torch.equal(t.scale, fresh.scale)
 
 
-def test_hif8_tensor_refresh_uses_given_scale(make_weight):
+def test_hif8_tensor_dense_refresh_quantizes_with_the_reduced_amax(make_weight):
     t = HiF8Tensor.from_high_precision(make_weight(64, 32))
     master = make_weight(64, 32, dtype=torch.float32)
-    group_scale = torch.tensor(7.5)  # e.g. the FSDP-group MAX-reduced amax / 15
-    t.refresh_from_master(master, scale=group_scale)
-    assert t.scale.item() == 7.5
+    seen = []
+    group_amax = torch.tensor(112.5)  # e.g. the FSDP-group MAX of the shards' amaxes
+
+    def reduce_amax(amax):
+        seen.append(amax.clone())
+        return group_amax
+
+    t.refresh_from_master(master, reduce_amax=reduce_amax)
+    assert len(seen) == 1 and torch.equal(seen[0], _amax(master))  # the shard's own FP32 amax, once
+    group_scale = hif8.current_scale(group_amax, HIF8_INPUT_MAX)
+    assert torch.equal(t.scale, group_scale)
     assert torch.equal(t.qdata, hif8.quantize(master, group_scale))
 
 
-def test_hif8_tensor_refresh_rejects_scale_of_other_shape(make_weight):
+def test_hif8_tensor_grouped_refresh_keeps_per_expert_scales_local(make_weight):
     t = HiF8Tensor.from_high_precision(make_weight(2, 32, 32))
-    with pytest.raises(ValueError, match="scale shape"):
-        t.refresh_from_master(make_weight(2, 32, 32), scale=torch.tensor(1.0))
+    master = make_weight(2, 32, 32, dtype=torch.float32)
+
+    def reduce_amax(amax):
+        raise AssertionError("per-expert scales of whole experts need no other shard")
+
+    t.refresh_from_master(master, reduce_amax=reduce_amax)
+    fresh = HiF8Tensor.from_high_precision(master)
+    assert torch.equal(t.qdata, fresh.qdata) and torch.equal(t.scale, fresh.scale)
 
 
 def test_hif8_tensor_from_high_precision_with_scale_and_quantizer(make_weight):
@@ -102,19 +116,17 @@ def test_hif8_tensor_grouped_split_moves_scale_with_experts(make_weight):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_hif8_refresh_with_given_scale_reports_the_amax_it_came_from(make_weight, shape):
+def test_hif8_refresh_reports_the_amax_its_scale_came_from(make_weight, shape):
     from te_npu.events import QuantEvent, subscribe
 
     t = HiF8Tensor.from_high_precision(make_weight(*shape))
     master = make_weight(*shape, dtype=torch.float32)
-    group_amax = _amax(master) * 3  # e.g. the FSDP-group MAX: larger than this shard's
-    scale = hif8.current_scale(group_amax, HIF8_INPUT_MAX)
+    # dense: the FSDP-group MAX, larger than this shard's; grouped: each expert's own amax
+    amax = _amax(master) * 3 if len(shape) == 2 else _amax(master)
     events = []
     with subscribe(events.append):
-        t.refresh_from_master(master, scale=scale, amax=group_amax)
-        t.refresh_from_master(master, scale=scale)  # no amax given: none reported
-    with_amax, without = [e for e in events if isinstance(e, QuantEvent)]
-    assert with_amax.format == Format.HIF8.value and with_amax.shape == shape
-    assert with_amax.format_max == HIF8_INPUT_MAX and torch.equal(with_amax.amax, group_amax)
-    assert torch.equal(with_amax.scale, scale)
-    assert without.amax is None and without.format_max is None and torch.equal(without.scale, scale)
+        t.refresh_from_master(master, reduce_amax=lambda local: local * 3)
+    (event,) = [e for e in events if isinstance(e, QuantEvent)]
+    assert event.format == Format.HIF8.value and event.shape == shape
+    assert event.format_max == HIF8_INPUT_MAX and torch.equal(event.amax, amax)
+    assert torch.equal(event.scale, hif8.current_scale(amax, HIF8_INPUT_MAX)) and torch.equal(event.scale, t.scale)
