@@ -13,7 +13,7 @@ import torch
 
 from te_npu.formats import Format, Orientation
 from te_npu.numerics.constants import MX_BLOCK_SIZE
-from te_npu.numerics.groups import with_mirror_of
+from te_npu.ops.group_sizes import with_mirror_of
 from te_npu.ops import layouts
 from te_npu.ops.observe import QuantEvent, emit, has_observers
 from te_npu.ops.operand import QuantizedOperand
