@@ -38,6 +38,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from te_npu.errors import ConfigError
+from te_npu.ops.kernels import quant_kernel_device_problem
 from te_npu.recipe import Recipe, recipe_from_config
 
 __all__ = [
@@ -150,6 +151,12 @@ class TrainingConfig:
     ``stop_on_nonfinite_loss`` stops it at the first non-finite training loss;
     ``loss_spike_factor`` stops it when a loss exceeds that factor times the median of the
     previous 20 (0: off). A stopped run saves nothing and exits non-zero.
+
+    ``quant_kernel``: which bit-identical kernels the emulation quantizes and decodes with
+    (``te_npu.ops.kernels``), chosen once per run and logged by rank 0: ``eager`` (torch, the
+    reference), ``compiled`` (torch.compile of it; cpu / cuda), ``native`` (C++ CPU kernels), or
+    ``auto``: ``native`` for a CPU run with a low-precision recipe when the kernels build here,
+    else ``eager``, saying why. A named kernel that cannot run raises; the losses are the same bits.
     """
 
     seed: int = _f(1234, ge=0)
@@ -175,6 +182,7 @@ class TrainingConfig:
     max_consecutive_skipped_steps: int = _f(10, ge=0)
     stop_on_nonfinite_loss: bool = True
     loss_spike_factor: float = _f(10.0, ge=0.0)
+    quant_kernel: Literal["auto", "eager", "compiled", "native"] = "auto"
 
     @property
     def resolved_backend(self) -> str:
@@ -588,6 +596,9 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"training.backend: {t.backend!r} cannot drive device {t.device!r}; use one of {list(allowed)} or 'auto'"
         )
+    kernel_problem = quant_kernel_device_problem(t.quant_kernel, t.device)
+    if kernel_problem:
+        raise ConfigError(f"training.quant_kernel: {kernel_problem} (training.device is {t.device!r})")
     d = cfg.data
     if d.kind == "bin" and d.path is None:
         raise ConfigError("data.path: required when data.kind is 'bin' (prefix of a prepared .bin/.json pair)")
