@@ -20,13 +20,13 @@ forward/backward cost plus one quantization.)
     python scripts/bench_linear.py [--tokens 4096] [--experts 64] [--device cpu|cuda] [--iters 3]
         [--quant-kernel eager|compiled|native] [--only recipes|weight-cache]
 
-``--quant-kernel`` sets ``TE_NPU_QUANT_KERNEL`` (bit-identical quantization kernels of the emulation
-backend: eager torch, torch.compile, or the C++ CPU kernels); the default keeps the environment's.
+``--quant-kernel`` picks the emulation backend's bit-identical quantization kernels for the whole
+run (``te_npu.ops.use_quant_kernel``: eager torch, torch.compile of it, or the C++ CPU kernels;
+default eager, the reference); a kernel that cannot run here stops the script with the reason.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -157,18 +157,21 @@ def main() -> None:
     parser.add_argument("--baselines", default="BF16,FP32",
                         help="high-precision references, comma-separated from BF16,FP32 (on CPUs without bf16 "
                              "GEMM units the BF16 GEMM is pathologically slow; FP32 is the fair CPU reference)")
-    parser.add_argument("--quant-kernel", choices=["eager", "compiled", "native"], default=None)
+    parser.add_argument("--quant-kernel", choices=list(te_npu.ops.KERNELS), default="eager")
     parser.add_argument("--only", choices=["recipes", "weight-cache"], default=None,
                         help="run one section: 8-bit vs high precision, or the weight-caching cost")
     args = parser.parse_args()
-    if args.quant_kernel:
-        os.environ["TE_NPU_QUANT_KERNEL"] = args.quant_kernel
+    with te_npu.ops.use_quant_kernel(args.quant_kernel):
+        run(args)
+
+
+def run(args) -> None:
     baselines = [b for b in args.baselines.split(",") if b]
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
     t = args.tokens
     print(f"device={device} tokens={t} threads={torch.get_num_threads()} backend=emulation (not an NPU kernel) "
-          f"quant_kernel={os.environ.get('TE_NPU_QUANT_KERNEL', 'eager')}; "
+          f"quant_kernel={args.quant_kernel}; "
           "8-bit modules hold bf16 parameters")
     dense = []
     for n in (2048, 3136, 2816):

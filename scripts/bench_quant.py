@@ -6,8 +6,9 @@ preallocated ``dst``). Modes, each checked bit for bit against eager before timi
 and the native build happen there, untimed):
 
 * ``eager``: ``te_npu.numerics.{mxfp8,hif8}``, the reference (and the library default);
-* ``compile``: ``te_npu.numerics.compiled`` (torch.compile, fullgraph, static shapes);
-* ``native`` (CPU only): ``te_npu.numerics.native_cpu``, the hand-written C++ kernels.
+* ``compile``: the ``compiled`` variant of ``te_npu.ops.kernels`` (torch.compile of those same
+  numerics functions, fullgraph, static shapes);
+* ``native`` (CPU only): ``te_npu.ops.kernels.native_cpu``, the hand-written C++ kernels.
   "mxfp8 dual -> out" writes into preallocated outputs, as the copy baseline does (and as
   ``MXFP8Tensor.refresh_from_master`` re-quantizes a weight into its own storage); the other rows
   allocate fresh outputs, whose first-touch page faults the copy baseline does not pay.
@@ -48,8 +49,11 @@ if ARGS.thp:
 
 import torch  # noqa: E402
 
-from te_npu.numerics import compiled, hif8, mxfp8, native_cpu  # noqa: E402
+from te_npu.numerics import hif8, mxfp8  # noqa: E402
 from te_npu.numerics.constants import HIF8_INPUT_MAX  # noqa: E402
+from te_npu.ops.kernels import KERNELS, native_cpu  # noqa: E402
+
+compiled = KERNELS["compiled"]
 
 TARGET_DUAL_RATIO = {"cpu": 0.25, "cuda": 0.5}
 
@@ -78,7 +82,8 @@ def hif8_eager(x):
 
 
 def hif8_compiled(x):
-    return compiled.hif8_current_quantize_compiled(x, HIF8_INPUT_MAX)
+    codes, scale, _ = compiled.hif8_quantize(x, HIF8_INPUT_MAX)
+    return codes, scale
 
 
 def _bits(t):
@@ -107,9 +112,9 @@ def main() -> None:
         ("mxfp8 row", "eager", lambda t: mxfp8.quantize(t, -1), None, in_bytes + n + mx_scale),
         ("mxfp8 dual", "eager", mxfp8.quantize_dual, None, dual_bytes),
         ("hif8 amax+scale+quantize", "eager", hif8_eager, None, in_bytes + n + 4),
-        ("mxfp8 row", "compile", lambda t: compiled.quantize_compiled(t, -1), lambda t: mxfp8.quantize(t, -1),
+        ("mxfp8 row", "compile", lambda t: compiled.mxfp8_quantize(t, -1), lambda t: mxfp8.quantize(t, -1),
          in_bytes + n + mx_scale),
-        ("mxfp8 dual", "compile", compiled.quantize_dual_compiled, mxfp8.quantize_dual, dual_bytes),
+        ("mxfp8 dual", "compile", compiled.mxfp8_quantize_dual, mxfp8.quantize_dual, dual_bytes),
         ("hif8 amax+scale+quantize", "compile", hif8_compiled, hif8_eager, in_bytes + n + 4),
         ("mxfp8 row", "native", lambda t: native_cpu.quantize(t, -1), lambda t: mxfp8.quantize(t, -1),
          in_bytes + n + mx_scale),

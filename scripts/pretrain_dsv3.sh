@@ -6,8 +6,10 @@
 #   RECIPE=recipes/dsv3_16b_mxfp8.yaml NPROC=8 bash scripts/pretrain_dsv3.sh   # 8x Ascend A5 (hccl)
 #
 # Extra arguments are config overrides, e.g. `training.train_steps=50 logging.dir=runs/try`.
-# The recipe is read and validated by te_npu only (models/deepseek_v3/pretrain.py), which also
-# picks the quantization kernel (native C++ kernels for CPU recipes when they build; printed).
+# The recipe is read and validated by te_npu only (models/deepseek_v3/pretrain.py); the
+# quantization kernel is a config key too (training.quant_kernel: auto | eager | compiled | native,
+# default auto = native C++ kernels for CPU recipes when they build; rank 0 prints the choice),
+# e.g. `bash scripts/pretrain_dsv3.sh training.quant_kernel=eager`.
 # Exit code: the first failing rank's (0 done, 1 error, 2 configuration error, 3 diverged,
 # 128 + signal when interrupted), with a one-line summary instead of torchrun's traceback.
 set -euo pipefail

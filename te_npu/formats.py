@@ -11,6 +11,8 @@ from typing import Literal
 
 import torch
 
+from te_npu.numerics import hif8
+
 Orientation = Literal["row", "col"]
 """Which axis an operand is blocked along, relative to its own layout.
 
@@ -113,8 +115,7 @@ class FormatSpec:
         """FP32 amax of each scale group of a per-tensor format: ``[]`` for a 1D/2D tensor,
         ``[E]`` for a per-expert 3D ``[E, N, K]`` one (all dims but the experts). Detached;
         a NaN anywhere in a group makes its amax NaN (and so its current scale 1.0)."""
-        dims = tuple(range(self.scale_groups(tensor.dim()), tensor.dim()))
-        return tensor.detach().abs().float().amax(dim=dims)
+        return hif8.amax(tensor, per_group=self.scale_groups(tensor.dim()) == 1)
 
     def canonical_scale_shape(self, shape, orientation: str, num_blocks: int | None = None) -> tuple[int, ...]:
         """Canonical scale shape of an operand with data ``shape``.

@@ -9,7 +9,6 @@ by a divergence rule, 128 + signal when interrupted).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -20,12 +19,11 @@ from models.deepseek_v3.config import DeepseekV3Config, validate_16b
 from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter
 from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, low_precision_scope, materialize_
 from models.deepseek_v3.model_section import DeepseekV3ModelSection
-from te_npu.ops.emulation import QUANT_KERNEL_ENV
 from te_npu.training.config import TrainConfig, load_config
-from te_npu.training.job import StopRequest, launch_env, run_job
+from te_npu.training.job import StopRequest, run_job
 from te_npu.training.trainer import Trainer
 
-__all__ = ["DeepseekV3Task", "model_section_of", "model_config", "choose_quant_kernel", "main"]
+__all__ = ["DeepseekV3Task", "model_section_of", "model_config", "main"]
 
 
 def model_section_of(cfg: TrainConfig) -> DeepseekV3ModelSection:
@@ -73,24 +71,6 @@ class DeepseekV3Task:
         return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels.flatten())
 
 
-def choose_quant_kernel(cfg: TrainConfig) -> str:
-    """CPU recipes quantize and decode with the native C++ kernels (bit-identical to eager, ~1.6x
-    the tiny job's throughput) when they build here (C++ compiler + ninja; ~1 min once, then
-    cached), else eager; an explicit ``TE_NPU_QUANT_KERNEL`` always wins. Sets the variable and
-    returns the line to print. (Issue 13 makes this a config key.)"""
-    if os.environ.get(QUANT_KERNEL_ENV):
-        return f"{QUANT_KERNEL_ENV}={os.environ[QUANT_KERNEL_ENV]} (from the environment)"
-    if cfg.training.device != "cpu":
-        return f"{QUANT_KERNEL_ENV}=eager (training.device={cfg.training.device})"
-    from te_npu.numerics import native_cpu
-
-    ok, why = native_cpu.is_available(True)
-    if ok:
-        os.environ[QUANT_KERNEL_ENV] = "native"
-        return f"{QUANT_KERNEL_ENV}=native (CPU recipe: the native C++ kernels built here)"
-    return f"{QUANT_KERNEL_ENV}=eager (native CPU kernels unavailable: {why}; same bits, slower)"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse, validate, train; returns the exit code (a failed multi-rank job exits the process)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,12 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides, model_section=DeepseekV3ModelSection)
         trainer = Trainer(DeepseekV3Task(), stop=stop)
         try:
-            trainer.setup(cfg)
-            # after setup: a bad input fails in seconds, not after a first native build (~1 min);
-            # the kernels are bit-identical, so setup's eager weight quantization is the same
-            line = choose_quant_kernel(cfg)
-            if launch_env().rank == 0:
-                print(f"pretrain: {line}", flush=True)
+            trainer.setup(cfg)  # also picks the quantization kernel (training.quant_kernel) and logs it
             trainer.train()
         except BaseException:
             trainer.abandon()  # no barrier on the error path: run_job reports and exits

@@ -16,7 +16,7 @@ import torch
 from te_npu import events
 from te_npu.errors import LowPrecisionUnavailableError
 from te_npu.formats import Format, Orientation, QuantizationRole, spec
-from te_npu.numerics.groups import group_sizes_tensor, host_group_sizes
+from te_npu.ops.group_sizes import group_sizes_tensor, host_group_sizes
 from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
 from te_npu.ops.operand import QuantizedOperand
@@ -151,7 +151,7 @@ def load_operands(ctx) -> list[QuantizedOperand | None]:
 
 def group_list_tensor(m_splits: Sequence[int] | torch.Tensor, num_groups: int, num_rows: int,
                       device: torch.device) -> torch.Tensor:
-    """int64 ``[G]`` row counts on ``device`` with their host mirror (``te_npu.numerics.groups``),
+    """int64 ``[G]`` row counts on ``device`` with their host mirror (``te_npu.ops.group_sizes``),
     checked against G and T on the host. A list costs no host sync; a tensor costs one read
     (none if it already carries a mirror), and every later GEMM and ragged layout reads the
     mirror."""

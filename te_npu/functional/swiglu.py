@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 import torch
 
 from te_npu.formats import QuantizationRole
-from te_npu.numerics.groups import host_group_sizes
+from te_npu.ops.group_sizes import host_group_sizes
 from te_npu.functional.grouped_linear import grouped_linear
 from te_npu.functional.weight_cache import WeightCache
 from te_npu.quantizers import Quantizer

@@ -21,7 +21,7 @@ from te_npu.compat import grouped_mm, grouped_mm_available
 from te_npu.functional.dtypes import activation_dtype
 from te_npu.functional.operands import group_list_tensor
 from te_npu.modules.base import TEModule
-from te_npu.numerics.groups import host_group_sizes
+from te_npu.ops.group_sizes import host_group_sizes
 
 __all__ = ["TEGroupedLinear", "TEGroupedSwiGLUExperts"]
 

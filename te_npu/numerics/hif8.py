@@ -21,8 +21,14 @@ power of two is exact in any band, so the width chosen before rounding is always
 one. Ties-away makes ``2**-23`` (half the smallest denormal) round up to ``2**-22`` and
 ``40960 = 1.25 * 2**15`` round up to Inf; ``-0.0`` encodes to 0x00 (0x80 is NaN), and so do
 negative values that round to zero. All of it matches ``en_dtypes.hifloat8`` (swept in tests).
+
+The rounding / code tables are built once, at import, from :data:`constants.HIF8_BANDS` (module
+constants, never written). Every function takes them on CPU by default; a caller on another
+device passes its own device copy (``tables=`` / ``table=``), as ``te_npu.ops.kernels`` does, so
+no table is copied per call. The functions are written once for eager torch and for
+``torch.compile`` (the compiled kernels compile these very functions).
 """
-from functools import lru_cache
+import struct
 
 import torch
 
@@ -61,9 +67,8 @@ def _band(exp: int):
     return None
 
 
-@lru_cache(maxsize=None)
-def _encode_tables(device: torch.device):
-    """Tables indexed by the FP32 exponent field (0..255).
+def _build_encode_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tables indexed by the FP32 exponent field (0..255), int32 ``[256]`` each, on CPU.
 
     ``half``/``keep``: rounding addend (half a unit at the band's width) and truncation mask, by
     the exponent *before* rounding. ``packed``: ``shift | (offset << 8)`` by the exponent *after*
@@ -94,13 +99,12 @@ def _encode_tables(device: torch.device):
             packed.append(_NO_SHIFT | (HIF8_POS_INF << 8))
         else:  # zero (only field 0 is reachable after rounding)
             packed.append(_NO_SHIFT)
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     return as_tensor(half), as_tensor(keep), as_tensor(packed)
 
 
-@lru_cache(maxsize=None)
-def _decode_table(device: torch.device) -> torch.Tensor:
-    """[256] float32: HiF8 code -> value."""
+def _build_decode_table() -> torch.Tensor:
+    """[256] float32 on CPU: HiF8 code -> value."""
     values = [0.0] * 128
     for field in range(256):
         band = _band(field - FP32_EXP_BIAS)
@@ -112,16 +116,34 @@ def _decode_table(device: torch.device) -> torch.Tensor:
     values[HIF8_POS_INF] = float("inf")
     table = torch.tensor(values + [-v for v in values], dtype=torch.float32)
     table[HIF8_NAN] = float("nan")
-    return table.to(device)
+    return table
 
 
-def encode(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+ENCODE_TABLES = _build_encode_tables()
+"""``(half, keep, packed)``: int32 ``[256]`` rounding tables of :func:`encode` (CPU constants)."""
+DECODE_TABLE = _build_decode_table()
+"""float32 ``[256]``: the value of every HiF8 code (CPU constant; NaN at 0x80, +-Inf at 0x6F / 0xEF)."""
+
+
+def encode_tables(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:data:`ENCODE_TABLES` on ``device`` (the constants themselves on CPU, else a copy)."""
+    return tuple(t.to(device) for t in ENCODE_TABLES)
+
+
+def decode_table(device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:data:`DECODE_TABLE` as ``dtype`` on ``device`` (every HiF8 value is exact in bf16 / fp16 / fp32;
+    the constant itself for float32 on CPU, else a copy)."""
+    return DECODE_TABLE.to(device=device, dtype=dtype)
+
+
+def encode(x: torch.Tensor, saturate: bool = False, *, tables=None) -> torch.Tensor:
     """Round ``x`` (any float dtype) to HiF8, ties away from zero; returns uint8 codes.
 
     Finite values that round past 32768 (``|x| >= 40960``) become +-Inf (0x6F/0xEF), or +-32768
     (0x6E/0xEE) when ``saturate``. +-Inf always stays +-Inf, NaN -> 0x80, ``|x| < 2**-23`` -> 0x00.
+    ``tables``: :func:`encode_tables` on x's device (default: made here).
     """
-    half_t, keep_t, packed_t = _encode_tables(x.device)
+    half_t, keep_t, packed_t = encode_tables(x.device) if tables is None else tables
     bits = x.to(torch.float32).view(torch.int32)
     mag = bits & FP32_ABS_MASK
     if saturate:
@@ -136,9 +158,10 @@ def encode(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
-def decode(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 HiF8 codes -> float32 values (exact), through a 256-entry table."""
-    table = _decode_table(codes.device)
+def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32, *, table=None) -> torch.Tensor:
+    """uint8 HiF8 codes -> values in ``dtype`` (exact in float32 / bf16 / fp16), through a 256-entry
+    table. ``table``: :func:`decode_table` for codes' device and ``dtype`` (default: made here)."""
+    table = decode_table(codes.device, dtype) if table is None else table
     return torch.index_select(table, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
 
 
@@ -147,15 +170,15 @@ def round_to_hif8(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
     return decode(encode(x, saturate))
 
 
-@lru_cache(maxsize=None)
 def reciprocal_format_max(format_max: float) -> float:
     """``1.0f / format_max`` rounded to FP32 (returned as the Python float holding that FP32 value).
 
     The constant the vendor's per-tensor kernels multiply by (``float(1.0) / maxValue``, see
-    :func:`current_scale`); an FP32 division, correctly rounded, done once per ``format_max``.
+    :func:`current_scale`). The double quotient rounded once to FP32 is the correctly rounded FP32
+    quotient of two FP32 values (double rounding is innocuous for division: 53 >= 2 * 24 + 2 bits);
+    ``format_max`` (15, 224) is an FP32 value. Pure Python, so it folds into a compiled graph.
     """
-    one = torch.ones((), dtype=torch.float32)
-    return float(one / torch.tensor(format_max, dtype=torch.float32))
+    return struct.unpack("<f", struct.pack("<f", 1.0 / float(format_max)))[0]
 
 
 def current_scale(amax: torch.Tensor, format_max: float) -> torch.Tensor:
@@ -176,13 +199,19 @@ def current_scale(amax: torch.Tensor, format_max: float) -> torch.Tensor:
     return torch.where(ok, amax * reciprocal_format_max(format_max), torch.ones_like(amax))
 
 
+def amax(x: torch.Tensor, per_group: bool = False) -> torch.Tensor:
+    """FP32 amax of ``|x|``: ``[]``, or ``[E]`` over each leading group of a 3D ``[E, ...]`` weight
+    with ``per_group`` (NaN propagates; abs and max are exact in any dtype)."""
+    return x.detach().abs().amax(dim=tuple(range(1 if per_group else 0, x.dim()))).to(torch.float32)
+
+
 def _broadcast_scale(scale: torch.Tensor, ndim: int) -> torch.Tensor:
     """Scalar stays scalar; ``[E]`` (leading groups) becomes ``[E, 1, ..., 1]``."""
     scale = torch.as_tensor(scale, dtype=torch.float32)
     return scale.reshape(tuple(scale.shape) + (1,) * (ndim - scale.dim()))
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, saturate: bool = False, *, tables=None) -> torch.Tensor:
     """HiF8 codes of ``x / scale`` (true FP32 division), ``x: [E, ...]``, ``scale`` scalar or ``[E]``.
 
     A division, as the kernels divide: ops-nn ``dynamic_quant`` arch35 ``ComputeYVF``
@@ -191,9 +220,24 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, saturate: bool = False) -> to
 
     ``saturate`` defaults to False: with ``scale = amax * (1 / format_max)`` every finite element
     lands inside +-format_max (<= 224 << 32768) so nothing saturates, and a NaN/Inf input keeps
-    its NaN/Inf code instead of being hidden as 32768.
+    its NaN/Inf code instead of being hidden as 32768. ``tables``: as :func:`encode`.
     """
-    return encode(x.to(torch.float32) / _broadcast_scale(scale, x.dim()).to(x.device), saturate)
+    return encode(x.to(torch.float32) / _broadcast_scale(scale, x.dim()).to(x.device), saturate, tables=tables)
+
+
+def quantize_current(x: torch.Tensor, format_max: float, *, per_group: bool = False, saturate: bool = False,
+                     tables=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling: ``amax -> current_scale -> quantize`` of ``x``.
+
+    Args:
+        x: float tensor; with ``per_group`` a 3D ``[E, N, K]`` weight gets one scale per expert.
+        format_max: the scaled amax target (15.0 inputs / weights, 224.0 gradients).
+    Returns:
+        ``(codes uint8 like x, scale fp32 [] or [E], amax fp32 [] or [E])``.
+    """
+    current_amax = amax(x, per_group)
+    scale = current_scale(current_amax, format_max)
+    return quantize(x, scale, saturate, tables=tables), scale, current_amax
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -201,4 +245,19 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return decode(codes) * _broadcast_scale(scale, codes.dim()).to(codes.device)
 
 
-__all__ = ["HIF8_MAX", "current_scale", "reciprocal_format_max", "decode", "dequantize", "encode", "quantize", "round_to_hif8"]
+__all__ = [
+    "DECODE_TABLE",
+    "ENCODE_TABLES",
+    "HIF8_MAX",
+    "amax",
+    "current_scale",
+    "decode",
+    "decode_table",
+    "dequantize",
+    "encode",
+    "encode_tables",
+    "quantize",
+    "quantize_current",
+    "reciprocal_format_max",
+    "round_to_hif8",
+]

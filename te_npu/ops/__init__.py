@@ -3,11 +3,14 @@
 ``npu`` tensors run torch_npu kernels (``te_npu.ops.npu``, imported lazily); everything else
 runs the exact emulation (``te_npu.ops.emulation``); ``force_backend("npu")`` routes every call
 through the NPU wrappers whatever the device (tests). Device and version gates live only here.
+The emulation's quantization / decode kernels are one interface with three bit-identical
+variants (``te_npu.ops.kernels``), chosen once per run: ``use_quant_kernel("native")``.
 ``QuantizedOperand`` (the GEMM input type) lives here too; layering is one-way: quantizers and
 tensors import ops, never the reverse.
 """
 from te_npu.ops.capability import is_hif8_available, is_mxfp8_available, require_low_precision
 from te_npu.ops.gemm import low_precision_grouped_matmul, low_precision_matmul
+from te_npu.ops.kernels import KERNELS, active_quant_kernels, use_quant_kernel
 from te_npu.ops.operand import QuantizedOperand
 from te_npu.ops.quantize import (
     hif8_quantize,
@@ -36,6 +39,9 @@ __all__ = [
     "quantize_hif8",
     "quantize_hif8_with_scale",
     "force_backend",
+    "use_quant_kernel",
+    "active_quant_kernels",
+    "KERNELS",
     "backend_for",
     "is_mxfp8_available",
     "is_hif8_available",

@@ -12,7 +12,7 @@ import torch
 from te_npu.formats import Format
 from te_npu.numerics import mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
-from te_npu.numerics.groups import host_group_sizes
+from te_npu.ops.group_sizes import host_group_sizes
 from te_npu.ops import layouts
 from te_npu.ops.operand import QuantizedOperand
 
@@ -30,7 +30,7 @@ REQUIRED_ORIENTATION = {"NT": ("row", "row"), "NN": ("row", "col"), "TN": ("col"
 
 def mxfp8_num_blocks(group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> int:
     """Blocks of a ragged ``col`` operand: each group's rows in ``ceil(T_g / 32)`` blocks."""
-    return mxfp8.ragged_block_count(group_sizes, block_size)
+    return mxfp8.ragged_block_count(host_group_sizes(group_sizes), block_size)
 
 
 def _shape(op: QuantizedOperand) -> tuple[int, ...]:

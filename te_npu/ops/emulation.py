@@ -24,22 +24,19 @@ scale first: ``(P * right.scale) * left.scale`` (aclnnQuantMatmulV5 / aclnnGroup
 ``y = (x1 @ x2) * x2Scale * x1Scale``); the last multiply writes the output dtype directly (one
 pass, one rounding).
 
-Quantization runs ``te_npu.numerics`` (eager torch) unless ``TE_NPU_QUANT_KERNEL`` picks one of
-the bit-identical faster kernels (see :func:`quant_kernel`); a picked kernel that cannot be built
-raises rather than running eager.
+Quantization and decode run the active kernel variant (``te_npu.ops.kernels``: ``eager``
+``te_npu.numerics`` by default, or the bit-identical ``compiled`` / ``native`` kernels a run
+chose once with ``te_npu.ops.use_quant_kernel``); this module reads no setting per call.
 
 Legend: T tokens (rows of a grouped operand), G groups, M/N/K GEMM dims.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from te_npu.formats import Format, spec
-from te_npu.numerics import hif8, mxfp8
-from te_npu.numerics.constants import MX_BLOCK_SIZE
-from te_npu.numerics.groups import host_group_sizes, with_mirror_of
+from te_npu.ops.group_sizes import host_group_sizes, with_mirror_of
+from te_npu.ops.kernels import active_quant_kernels
 from te_npu.ops.layouts import to_canonical
 from te_npu.ops.operand import QuantizedOperand
 
@@ -68,65 +65,24 @@ BF16_MXFP8_SCALE_SHIFT = 3
 
 
 # ---------------------------------------------------------------- decode (exact)
-def _block_expand(scale_f32: torch.Tensor, values: torch.Tensor, axis: int) -> torch.Tensor:
-    """``values * scale`` with each scale entry covering 32 consecutive elements along ``axis``."""
-    n = values.shape[axis]
-    if n % MX_BLOCK_SIZE == 0:
-        if axis == -1:
-            blocks = values.unflatten(-1, (n // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
-            return (blocks * scale_f32.unsqueeze(-1)).flatten(-2)
-        blocks = values.unflatten(-2, (n // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
-        return (blocks * scale_f32.unsqueeze(-2)).flatten(-3, -2)
-    expanded = scale_f32.repeat_interleave(MX_BLOCK_SIZE, dim=axis).narrow(axis, 0, n)
-    return values * expanded
-
-
 def uses_bf16_plan(device: torch.device) -> bool:
     """Whether emulated GEMMs on ``device`` decode to BF16 (see the module docstring)."""
     return device.type in BF16_GEMM_DEVICES
 
 
 def decode(op: QuantizedOperand, dtype: torch.dtype = torch.float32, scale_shift: int = 0) -> torch.Tensor:
-    """Exact high-precision values of an operand. MXFP8: scales folded in, each raised by
-    ``2**scale_shift`` (exact; the BF16 plan uses 3); HiF8: codes only (the FP32 tensor scale is
-    applied to the GEMM product, as the kernel does). ``TE_NPU_QUANT_KERNEL=compiled`` decodes
-    compiled too, ``native`` with the C++ table decode for FP32 on CPU (same values). An operand
-    in the kernels' ``npu`` scale layout is read through its canonical conversion."""
+    """Exact high-precision values of an operand, by the active kernel variant. MXFP8: scales
+    folded in, each raised by ``2**scale_shift`` (exact; the BF16 plan uses 3); HiF8: codes only
+    (the FP32 tensor scale is applied to the GEMM product, as the kernel does). An operand in the
+    kernels' ``npu`` scale layout is read through its canonical conversion."""
     op = to_canonical(op)
-    kernel = quant_kernel(op.data)
-    compiled = None
-    if kernel == "compiled":
-        from te_npu.numerics import compiled
-    native = kernel == "native" and dtype == torch.float32 and op.data.dim() >= 2
-    if native:
-        from te_npu.numerics import native_cpu
+    kernels = active_quant_kernels()
     if not op.spec.blocked:  # per-tensor scale: applied to the product, not here
-        if native:
-            return native_cpu.hif8_decode(op.data)
-        return hif8.decode(op.data).to(dtype) if compiled is None else compiled.hif8_decode_compiled(op.data, dtype)
+        return kernels.hif8_decode(op.data, dtype)
     if op.group_sizes is not None:  # ragged col: blocks restart at each group boundary
         group_sizes = with_mirror_of(op.group_sizes.to(op.data.device), op.group_sizes)
-        if compiled is not None:
-            return compiled.mxfp8_dequantize_grouped_compiled(op.data, op.scale, group_sizes, dtype, scale_shift)
-        row_to_block, _ = mxfp8.group_block_index(group_sizes, MX_BLOCK_SIZE)
-        if native:
-            return native_cpu.dequantize(op.data, op.scale, -2, scale_shift=scale_shift, row_to_block=row_to_block)
-        values = op.data.to(dtype)  # every E4M3 code is exactly representable in fp32 / bf16
-        scale = _raised(mxfp8.e8m0_to_float(op.scale), scale_shift).to(dtype)
-        return values * scale[row_to_block]
-    axis = -1 if op.orientation == "row" else -2
-    if native and op.data.shape[axis] % MX_BLOCK_SIZE == 0:
-        return native_cpu.dequantize(op.data, op.scale, axis, scale_shift=scale_shift)
-    if compiled is not None and op.data.shape[axis] % MX_BLOCK_SIZE == 0:
-        return compiled.mxfp8_dequantize_compiled(op.data, op.scale, axis, MX_BLOCK_SIZE, dtype, scale_shift)
-    values = op.data.to(dtype)
-    scale = _raised(mxfp8.e8m0_to_float(op.scale), scale_shift).to(dtype)
-    return _block_expand(scale, values, axis)
-
-
-def _raised(scale_f32: torch.Tensor, shift: int) -> torch.Tensor:
-    """``scale * 2**shift`` in FP32 (exact for the powers of two E8M0 codes decode to)."""
-    return scale_f32 * float(2**shift) if shift else scale_f32
+        return kernels.mxfp8_decode_grouped(op.data, op.scale, group_sizes, dtype, scale_shift)
+    return kernels.mxfp8_decode(op.data, op.scale, -1 if op.orientation == "row" else -2, dtype, scale_shift)
 
 
 def _decode_pair(left: QuantizedOperand, right: QuantizedOperand) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -240,81 +196,23 @@ def grouped_matmul(
 
 
 # ---------------------------------------------------------------- quantization
-QUANT_KERNEL_ENV = "TE_NPU_QUANT_KERNEL"
-QUANT_KERNELS = ("eager", "compiled", "native")
-
-
-def quant_kernel(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE) -> str:
-    """Which bit-identical quantization kernel runs for ``x``, from ``TE_NPU_QUANT_KERNEL``:
-    ``eager`` (default, the reference), ``compiled`` (``te_npu.numerics.compiled``:
-    torch.compile, CPU or CUDA; each new shape compiles once), or ``native``
-    (``te_npu.numerics.native_cpu``, CPU tensors: MXFP8 row / col / dual and HiF8 current
-    scaling, the col blocks of the ragged grouped quantization, and the FP32 decode of both
-    formats; HiF8 with a given scale stays eager). ``compiled`` runs the ragged grouped col
-    quantization and decode at a static block bound, so routing changes do not recompile. A
-    kernel that cannot be built raises."""
-    choice = os.environ.get(QUANT_KERNEL_ENV, "eager")
-    if choice not in QUANT_KERNELS:
-        raise ValueError(f"{QUANT_KERNEL_ENV}={choice!r}: expected one of {QUANT_KERNELS}")
-    if choice == "native" and (x.device.type != "cpu" or block_size != MX_BLOCK_SIZE):
-        return "eager"
-    return choice
-
-
 def mxfp8_quantize(x: torch.Tensor, axis: int, block_size: int, scale_alg: str) -> tuple[torch.Tensor, torch.Tensor]:
-    kernel = quant_kernel(x, block_size)
-    if kernel == "compiled":
-        from te_npu.numerics import compiled
-
-        return compiled.quantize_compiled(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
-    if kernel == "native" and x.dim() >= 2 and axis % x.dim() >= x.dim() - 2:
-        from te_npu.numerics import native_cpu
-
-        return native_cpu.quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
-    return mxfp8.quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
+    return active_quant_kernels().mxfp8_quantize(x, axis, block_size, scale_alg)
 
 
 def mxfp8_quantize_dual(w: torch.Tensor, block_size: int, scale_alg: str):
-    kernel = quant_kernel(w, block_size)
-    if kernel == "compiled":
-        from te_npu.numerics import compiled
-
-        return compiled.quantize_dual_compiled(w, block_size, scale_alg)
-    if kernel == "native":
-        from te_npu.numerics import native_cpu
-
-        return native_cpu.quantize_dual(w, block_size, scale_alg)
-    return mxfp8.quantize_dual(w, block_size, scale_alg)
+    return active_quant_kernels().mxfp8_quantize_dual(w, block_size, scale_alg)
 
 
 def mxfp8_quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_size: int, scale_alg: str):
-    kernel = quant_kernel(x, block_size)
-    if kernel == "compiled":
-        from te_npu.numerics import compiled
-
-        return compiled.quantize_grouped_compiled(x, group_sizes, block_size, scale_alg)
-    if kernel == "native":  # pad / gather eager, the col blocks native
-        from te_npu.numerics import native_cpu
-
-        return mxfp8.quantize_grouped(x, group_sizes, block_size, scale_alg, padded_col_quantize=lambda padded: (
-            native_cpu.quantize(padded, axis=-2, block_size=block_size, scale_alg=scale_alg)))
-    return mxfp8.quantize_grouped(x, group_sizes, block_size, scale_alg)
+    return active_quant_kernels().mxfp8_quantize_grouped(x, group_sizes, block_size, scale_alg)
 
 
 def hif8_quantize(x: torch.Tensor, format_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling: returns (codes uint8, scale fp32 [] or [E], amax)."""
-    if quant_kernel(x) == "native" and x.numel() > 0:
-        from te_npu.numerics import native_cpu
-
-        return native_cpu.hif8_current_quantize(x, format_max, per_group=spec(Format.HIF8).scale_groups(x.dim()) == 1)
-    current_amax = spec(Format.HIF8).amax(x)
-    scale = hif8.current_scale(current_amax, format_max)
-    return hif8_quantize_with_scale(x, scale), scale, current_amax
+    """Current scaling: returns (codes uint8, scale fp32 [] or [E], amax); ``[E]`` for a 3D weight."""
+    per_group = spec(Format.HIF8).scale_groups(x.dim()) == 1
+    return active_quant_kernels().hif8_quantize(x, format_max, per_group)
 
 
 def hif8_quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if quant_kernel(x) == "compiled":
-        from te_npu.numerics import compiled
-
-        return compiled.hif8_quantize_compiled(x, scale)
-    return hif8.quantize(x, scale)
+    return active_quant_kernels().hif8_quantize_with_scale(x, scale)

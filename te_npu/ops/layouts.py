@@ -32,7 +32,7 @@ import math
 import torch
 
 from te_npu.numerics.constants import MX_BLOCK_SIZE
-from te_npu.numerics.groups import host_group_sizes
+from te_npu.ops.group_sizes import host_group_sizes
 from te_npu.ops.operand import QuantizedOperand
 
 __all__ = [

@@ -46,7 +46,7 @@ import torch
 from te_npu.formats import Format, spec
 from te_npu.numerics import hif8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
-from te_npu.numerics.groups import host_group_sizes
+from te_npu.ops.group_sizes import host_group_sizes
 from te_npu.ops import layouts
 from te_npu.ops.operand import QuantizedOperand
 

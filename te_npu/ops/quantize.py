@@ -14,7 +14,7 @@ import torch
 from te_npu import events
 from te_npu.formats import Format, Orientation
 from te_npu.numerics.constants import MX_BLOCK_SIZE
-from te_npu.numerics.groups import with_mirror_of
+from te_npu.ops.group_sizes import with_mirror_of
 from te_npu.ops import layouts
 from te_npu.ops.operand import QuantizedOperand
 from te_npu.ops.registry import backend_for

@@ -35,6 +35,7 @@ from typing import Any, Literal, get_type_hints
 
 from te_npu.distributed.sharding import validate_parallel_config
 from te_npu.errors import ConfigError
+from te_npu.ops.kernels import quant_kernel_device_problem
 from te_npu.recipe import Recipe, recipe_from_config
 from te_npu.training.schema import (
     apply_overrides,
@@ -146,6 +147,12 @@ class TrainingConfig:
     ``stop_on_nonfinite_loss`` stops it at the first non-finite training loss;
     ``loss_spike_factor`` stops it when a loss exceeds that factor times the median of the
     previous 20 (0: off). A stopped run saves nothing and exits non-zero.
+
+    ``quant_kernel``: which bit-identical kernels the emulation quantizes and decodes with
+    (``te_npu.ops.kernels``), chosen once per run and logged by rank 0: ``eager`` (torch, the
+    reference), ``compiled`` (torch.compile of it; cpu / cuda), ``native`` (C++ CPU kernels), or
+    ``auto``: ``native`` for a CPU run with a low-precision recipe when the kernels build here,
+    else ``eager``, saying why. A named kernel that cannot run raises; the losses are the same bits.
     """
 
     seed: int = option(1234, ge=0)
@@ -171,6 +178,7 @@ class TrainingConfig:
     max_consecutive_skipped_steps: int = option(10, ge=0)
     stop_on_nonfinite_loss: bool = True
     loss_spike_factor: float = option(10.0, ge=0.0)
+    quant_kernel: Literal["auto", "eager", "compiled", "native"] = "auto"
 
     def __post_init__(self) -> None:
         if self.min_lr > self.lr:
@@ -179,6 +187,9 @@ class TrainingConfig:
         if self.backend != "auto" and self.backend not in allowed:
             raise ConfigError(f"training.backend: {self.backend!r} cannot drive device {self.device!r}; use one of "
                               f"{list(allowed)} or 'auto'")
+        kernel_problem = quant_kernel_device_problem(self.quant_kernel, self.device)
+        if kernel_problem:
+            raise ConfigError(f"training.quant_kernel: {kernel_problem} (training.device is {self.device!r})")
         if 0 < self.loss_spike_factor <= 1:
             raise ConfigError(f"training.loss_spike_factor: {self.loss_spike_factor} must be 0 (off) or > 1")
 

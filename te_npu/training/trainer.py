@@ -6,7 +6,8 @@ family (DeepSeek-V3's is ``models/deepseek_v3/pretrain.py``). Build order of ``s
     preflight (device, writable dirs, the checkpoint folder's lock, which step to resume)
     -> process group -> data (headers, token ids vs the model's vocab) -> resume check (the
     step verified against its manifest, the data position mapped onto this world size)
-    -> capability gate -> meta build -> spec validation -> materialize + init
+    -> capability gate -> meta build -> spec validation -> quantization kernel (chosen once,
+    logged) -> materialize + init
     -> finalize low-precision weights -> shard validation + FSDP2 -> activation checkpointing
     -> FP32-master optimizer -> DCP resume
 
@@ -22,6 +23,7 @@ masters, refresh every 8-bit shard once).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -46,7 +48,8 @@ from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, 
 from te_npu.compat import local_tensor
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
-from te_npu.ops import require_low_precision
+from te_npu.ops import require_low_precision, use_quant_kernel
+from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
 from te_npu.training import hf_weights, preflight
 from te_npu.training.config import TrainConfig
 from te_npu.training.data import TokenBatcher, build_datasets, check_token_ids, validation_batches
@@ -170,9 +173,12 @@ class Trainer:
         self.task.validate(model, cfg)
         if hf_start is not None:
             hf_weights.check_initial_keys(hf_start, model, self._hf_adapter)  # before any memory is allocated
+        # after every config check, so a bad input fails in seconds, before any native build
+        self.quant_kernel = self._choose_quant_kernel()
         self.task.materialize(model, seed=t.seed, device=self.device, dtype=self.dtype)
         assign_fqns(model)
-        initial = finalize_low_precision_weights(model, self.recipe) if self.recipe is not None else {}
+        with self._kernels():
+            initial = finalize_low_precision_weights(model, self.recipe) if self.recipe is not None else {}
         self.shard_plan = None
         if self.world_size > 1:
             mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
@@ -319,14 +325,15 @@ class Trainer:
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], loss_scale: float = 1.0) -> torch.Tensor:
         """Loss of one micro-batch, with its gradient (times ``loss_scale``) accumulated."""
         input_ids, labels = (x.to(self.device, non_blocking=True) for x in batch)
-        with te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+        with self._kernels(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             loss = self.task.loss(self.model, input_ids, labels)
             (loss * loss_scale).backward()
         return loss.detach()
 
     def optimizer_step(self) -> StepResult:
         """Clip, update the FP32 masters and refresh 8-bit weights; skip if gradients are non-finite."""
-        result = self.optimizer.step()
+        with self._kernels():
+            result = self.optimizer.step()
         self.optimizer.zero_grad()
         self.grad_norm = result.grad_norm
         if not result.updated:
@@ -374,7 +381,7 @@ class Trainer:
             self.val_data, t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
             world_size=self.world_size, vocab_size=self.vocab_size,
         )
-        with te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+        with self._kernels(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             for input_ids, labels in batches:
                 losses.append(self.task.loss(self.model, input_ids.to(self.device), labels.to(self.device)))
         return self._mean_over_ranks(torch.stack(losses).float().mean())
@@ -457,8 +464,9 @@ class Trainer:
         """Restore the latest checkpoint (or a step dir): masters, moments, step, data position,
         skipped count, RNG; rebuild 8-bit shards. ``verified``: the manifest was checked already."""
         path = checkpoint.latest_checkpoint(directory or self.cfg.checkpoint.dir)
-        step, extra = checkpoint.load(path, self.model, self.optimizer, verify=not verified,
-                                      checksums=self.cfg.checkpoint.verify_checksums)
+        with self._kernels():  # rebuilds the 8-bit shards from the loaded masters
+            step, extra = checkpoint.load(path, self.model, self.optimizer, verify=not verified,
+                                          checksums=self.cfg.checkpoint.verify_checksums)
         self.global_step = int(step)
         self.lineage = checkpoint.step_info(path).get("lineage") or self.lineage
         self._parent_step = self.global_step
@@ -488,8 +496,9 @@ class Trainer:
         return hf_weights.open_initial_checkpoint(cfg.checkpoint.initial_load_path, self._hf_adapter)
 
     def _load_initial_hf(self, checkpoint) -> None:
-        report = hf_weights.load_initial_weights(checkpoint, self.model, self.optimizer, self._hf_adapter,
-                                                 progress=self.rank == 0)
+        with self._kernels():  # re-quantizes the 8-bit weights from the loaded masters
+            report = hf_weights.load_initial_weights(checkpoint, self.model, self.optimizer, self._hf_adapter,
+                                                     progress=self.rank == 0)
         self.hf_read_report = report
         self._print_rank0(f" started from Hugging Face weights {checkpoint.path}: rank 0 read "
                           f"{report.bytes_read / 2**20:.1f} of {report.checkpoint_bytes / 2**20:.1f} MiB (its shards)")
@@ -515,6 +524,22 @@ class Trainer:
             self._lock = None
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _choose_quant_kernel(self) -> KernelChoice:
+        """Resolve ``training.quant_kernel`` once for the run (building the native kernels if they
+        are picked) and log the choice on rank 0; a named kernel that cannot run is a ``ConfigError``."""
+        try:
+            choice = choose_quant_kernel(self.cfg.training.quant_kernel, self.device.type,
+                                         quantizes=self.recipe is not None)
+        except QuantKernelUnavailable as exc:
+            raise ConfigError(f"training.quant_kernel: {exc}; 'auto' falls back to eager, saying why") from None
+        self._print_rank0(f" quantization kernel: {choice}")
+        return choice
+
+    def _kernels(self) -> contextlib.AbstractContextManager:
+        """The run's kernel variant, active for one of the Trainer's computations (every
+        quantization and decode of setup, steps, evaluation and loads runs inside one)."""
+        return use_quant_kernel(self.quant_kernel.name)
+
     def _plot(self) -> None:
         from te_npu.training.plots import plot_runs, read_run
 

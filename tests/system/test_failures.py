@@ -39,10 +39,11 @@ class Job:
         self.markers = workdir / "steps.txt"
         self.log = workdir / "out.txt"
         faults = ",".join(filter(None, [f"step_marker:{self.markers}", fault]))
-        env = dict(os.environ, FAULT=faults, TE_NPU_QUANT_KERNEL="eager", OMP_NUM_THREADS="1",
+        env = dict(os.environ, FAULT=faults, OMP_NUM_THREADS="1",
                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         cmd = [sys.executable, "-m", "te_npu.training.launch", "--nproc_per_node", str(nproc),
                "--master_port", str(_free_port()), "-m", module, "--config", str(RECIPE), *SMALL,
+               "training.quant_kernel=eager",
                f"logging.dir={workdir / 'logs'}", f"checkpoint.dir={self.ckpt}", *overrides]
         self.started = time.monotonic()
         with open(self.log, "w") as out:
@@ -237,8 +238,9 @@ def test_config_errors_through_the_launcher_script_are_one_line(tmp_path, case):
         tokens[5000:5010] = 40000
         tokens.flush()
         extra = ["data.kind=bin", f"data.path={tmp_path / 'bad'}", "data.shuffle=false"]
-    env = dict(os.environ, RECIPE=str(recipe), MASTER_PORT=str(_free_port()), TE_NPU_QUANT_KERNEL="eager")
-    done = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", *SMALL, f"logging.dir={tmp_path / 'logs'}",
+    env = dict(os.environ, RECIPE=str(recipe), MASTER_PORT=str(_free_port()))
+    done = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", *SMALL, "training.quant_kernel=eager",
+                           f"logging.dir={tmp_path / 'logs'}",
                            f"checkpoint.dir={tmp_path / 'ckpt'}", *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=HANG)
     lines = (done.stdout + done.stderr).strip().splitlines()

@@ -27,7 +27,7 @@ def _te_npu_imports(path: Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted(OPS_DIR.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(OPS_DIR.rglob("*.py")), ids=lambda p: str(p.relative_to(OPS_DIR)))
 def test_ops_module_imports_only_lower_layers(path):
     upward = [m for m in _te_npu_imports(path) if not m.startswith(LOWER)]
     assert not upward, f"{path.name} imports {upward}: te_npu.ops must not depend on quantizers / tensor / functional"
@@ -50,6 +50,13 @@ def test_importing_te_npu_and_its_trainer_loads_no_test_instrument():
     code = ("import te_npu.events, sys, te_npu.distributed, te_npu.training.trainer; "
             "assert not [m for m in sys.modules if m.startswith('te_npu.testing')], sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("path", sorted((OPS_DIR / "kernels").glob("*.py")), ids=lambda p: p.name)
+def test_kernels_import_only_numerics_and_ops_below_the_emulation(path):
+    allowed = ("te_npu.numerics", "te_npu.ops.kernels", "te_npu.ops.group_sizes")
+    other = [m for m in _te_npu_imports(path) if not m.startswith(allowed)]
+    assert not other, f"kernels/{path.name} imports {other}: the kernels sit between ops.emulation and numerics"
 
 
 @pytest.mark.parametrize("module", ["te_npu.ops.checks", "te_npu.quantizers"])

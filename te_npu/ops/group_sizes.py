@@ -6,6 +6,11 @@ tensor from host ints and keeps those ints as its mirror; :func:`host_group_size
 mirror, or reads the values (one sync) from a tensor without one. A mirror belongs to one
 tensor version: an in-place change of the tensor makes the next read go to the values.
 (Inference-mode tensors have no version counter; their mirror is trusted as made.)
+
+The mirror is state carried on a tensor (an attribute), and making the tensor branches on the
+device (pinned copies to CUDA), so this lives in ``te_npu.ops``, not in the pure
+``te_npu.numerics``: the ragged numerics take the host ints as an argument (``host_sizes``),
+which ops reads from here.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The torch.compile-d quantizers (te_npu.numerics.compiled) equal the eager ones bit for bit.
+"""The ``compiled`` kernels (te_npu.ops.kernels.compiled: torch.compile of the numerics functions)
+equal the eager ones bit for bit.
 
 Every case compiles (30-100 s each on a loaded 2-core CPU), so every case is marked slow:
-run them with ``python -m pytest -q -m slow tests/unit/numerics/test_compiled_equivalence.py``. Inputs mix ordinary values with the edge cases of each format: zeros of
+run them with ``python -m pytest -q -m slow tests/unit/ops/kernels/test_compiled_equivalence.py``. Inputs mix ordinary values with the edge cases of each format: zeros of
 both signs, FP32/BF16 subnormals, ties, values beyond the format, +-Inf and NaN.
 """
 import math
@@ -10,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from te_npu.numerics import compiled, hif8, mxfp8
+from te_npu.numerics import hif8, mxfp8
+from te_npu.ops.kernels import KERNELS
+
+compiled = KERNELS["compiled"]
+
+
+def hif8_encode_compiled(x, saturate):
+    """The compiled form of ``hif8.encode`` itself (the kernels call it through ``hif8.quantize``)."""
+    return compiled.compiled(hif8.encode)(x, saturate, tables=compiled.encode_tables(x.device))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +53,7 @@ def mixed_input(shape, gen, dtype=torch.float32, specials=True) -> torch.Tensor:
 def test_compiled_mxfp8_dual_small_bf16(gen):
     """The smallest case: dual-axis MXFP8 of a small bf16 weight with special values."""
     x = mixed_input((64, 96), gen, torch.bfloat16)
-    assert_bitwise_equal(compiled.quantize_dual_compiled(x), mxfp8.quantize_dual(x))
+    assert_bitwise_equal(compiled.mxfp8_quantize_dual(x), mxfp8.quantize_dual(x))
 
 
 @pytest.mark.slow
@@ -53,7 +62,7 @@ def test_compiled_mxfp8_dual_small_bf16(gen):
 def test_compiled_mxfp8_quantize_equals_eager(dtype, alg, gen):
     x = mixed_input((64, 128), gen, dtype)
     for axis in (-1, 0):
-        got = compiled.quantize_compiled(x, axis, scale_alg=alg)
+        got = compiled.mxfp8_quantize(x, axis, scale_alg=alg)
         assert_bitwise_equal(got, mxfp8.quantize(x, axis, scale_alg=alg))
 
 
@@ -62,10 +71,10 @@ def test_compiled_mxfp8_every_bf16_value_equals_eager():
     # all 65536 bf16 bit patterns, blocked both ways, with and without huge neighbours
     x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)  # keep most blocks finite
-    assert_bitwise_equal(compiled.quantize_dual_compiled(x), mxfp8.quantize_dual(x))
+    assert_bitwise_equal(compiled.mxfp8_quantize_dual(x), mxfp8.quantize_dual(x))
     y = x.clone()
     y[::7, ::5] = 3e38
-    assert_bitwise_equal(compiled.quantize_dual_compiled(y), mxfp8.quantize_dual(y))
+    assert_bitwise_equal(compiled.mxfp8_quantize_dual(y), mxfp8.quantize_dual(y))
 
 
 @pytest.mark.slow
@@ -73,13 +82,13 @@ def test_compiled_mxfp8_random_fp32_bits_equal_eager(np_rng):
     bits = np_rng.integers(-(2**31), 2**31, size=(128, 256), dtype=np.int64).astype(np.int32)
     x = torch.from_numpy(bits.view(np.float32))
     x[:64] = x[:64].abs() * 2.0**-100  # many finite blocks with tiny/subnormal members
-    assert_bitwise_equal(compiled.quantize_dual_compiled(x), mxfp8.quantize_dual(x))
+    assert_bitwise_equal(compiled.mxfp8_quantize_dual(x), mxfp8.quantize_dual(x))
 
 
 @pytest.mark.slow
 def test_compiled_mxfp8_dual_3d(gen):
     x = mixed_input((2, 64, 64), gen, torch.bfloat16)
-    assert_bitwise_equal(compiled.quantize_dual_compiled(x), mxfp8.quantize_dual(x))
+    assert_bitwise_equal(compiled.mxfp8_quantize_dual(x), mxfp8.quantize_dual(x))
 
 
 @pytest.mark.slow
@@ -91,15 +100,15 @@ def test_compiled_hif8_encode_equals_eager(saturate, np_rng):
     x[4096:8192] = torch.from_numpy(np_rng.standard_normal(4096).astype(np.float32)) * 2.0**16
     x[:16] = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 2.0**-23, -(2.0**-23), 40960.0,
                            -40960.0, 1.0625, 15.5, 240.0, 2.0**-16 * 1.5, 1e-45, 32768.0, 40959.996])
-    assert_bitwise_equal([compiled.hif8_encode_compiled(x, saturate)], [hif8.encode(x, saturate)])
+    assert_bitwise_equal([hif8_encode_compiled(x, saturate)], [hif8.encode(x, saturate)])
 
 
 @pytest.mark.slow
 def test_compiled_hif8_quantize_and_current_scaling_equal_eager(gen):
     x = mixed_input((64, 128), gen, torch.bfloat16, specials=False)
     scale = hif8.current_scale(x.abs().amax(), 15.0)
-    assert_bitwise_equal([compiled.hif8_quantize_compiled(x, scale)], [hif8.quantize(x, scale)])
-    codes, got_scale = compiled.hif8_current_quantize_compiled(x, 15.0)
+    assert_bitwise_equal([compiled.hif8_quantize_with_scale(x, scale)], [hif8.quantize(x, scale)])
+    codes, got_scale, _ = compiled.hif8_quantize(x, 15.0)
     assert torch.equal(got_scale, scale)
     # the kernel's formula (ops-nn dynamic_quant arch35 pertensor): amax * (1.0f / 15.0f), in FP32
     amax = np.float32(x.abs().amax().float().item())
@@ -107,7 +116,7 @@ def test_compiled_hif8_quantize_and_current_scaling_equal_eager(gen):
     assert torch.equal(codes, hif8.quantize(x, scale))
     x3 = mixed_input((3, 32, 64), gen, torch.float32, specials=False)
     scales = hif8.current_scale(x3.abs().amax(dim=(1, 2)), 224.0)  # per-group [E] scale
-    assert_bitwise_equal([compiled.hif8_quantize_compiled(x3, scales)], [hif8.quantize(x3, scales)])
+    assert_bitwise_equal([compiled.hif8_quantize_with_scale(x3, scales)], [hif8.quantize(x3, scales)])
 
 
 @pytest.mark.slow
@@ -123,7 +132,7 @@ def test_compiled_mxfp8_dual_column_aligned_special_blocks(gen):
     x[100, 200] = -math.inf
     x[0, :8] = torch.tensor([0.0, -0.0, 1e-40, 448.0, 464.0, -480.0, 1.0625, -3e38])
     xb = x.to(torch.bfloat16)
-    assert_bitwise_equal(compiled.quantize_dual_compiled(xb), mxfp8.quantize_dual(xb))
+    assert_bitwise_equal(compiled.mxfp8_quantize_dual(xb), mxfp8.quantize_dual(xb))
 
 
 @pytest.mark.slow
@@ -131,12 +140,12 @@ def test_compiled_mxfp8_dual_column_aligned_special_blocks(gen):
 def test_cuda_compiled_kernels_equal_cpu_eager(gen):
     """On CUDA inductor emits Triton instead of C++: same graphs, same bits as the CPU reference."""
     x = mixed_input((256, 512), gen, dtype=torch.bfloat16)
-    cuda_dual = compiled.quantize_dual_compiled(x.cuda())
+    cuda_dual = compiled.mxfp8_quantize_dual(x.cuda())
     assert_bitwise_equal([t.cpu() for t in cuda_dual], mxfp8.quantize_dual(x))
-    cuda_row = compiled.quantize_compiled(x.cuda(), -1)
+    cuda_row = compiled.mxfp8_quantize(x.cuda(), -1)
     assert_bitwise_equal([t.cpu() for t in cuda_row], mxfp8.quantize(x, -1))
     scale = hif8.current_scale(x.float().abs().amax(), 15.0)
-    codes = compiled.hif8_quantize_compiled(x.cuda(), scale.cuda())
+    codes = compiled.hif8_quantize_with_scale(x.cuda(), scale.cuda())
     assert torch.equal(codes.cpu(), hif8.quantize(x, scale))
 
 
@@ -147,14 +156,14 @@ def test_compiled_decodes_equal_eager(gen, dtype):
     for axis in (-1, -2):
         data, scale = mxfp8.quantize(x, axis=axis)
         want = mxfp8.dequantize(data, scale, axis=axis).to(dtype)
-        got = compiled.mxfp8_dequantize_compiled(data, scale, axis, dtype=dtype)
+        got = compiled.mxfp8_decode(data, scale, axis, dtype=dtype)
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
         # the BF16 GEMM plan's raised scales (te_npu.ops.emulation.BF16_MXFP8_SCALE_SHIFT)
-        raised = compiled.mxfp8_dequantize_compiled(data, scale, axis, dtype=dtype, scale_shift=3)
+        raised = compiled.mxfp8_decode(data, scale, axis, dtype=dtype, scale_shift=3)
         torch.testing.assert_close(raised, (mxfp8.dequantize(data, scale, axis=axis) * 8).to(dtype),
                                    rtol=0, atol=0, equal_nan=True)
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
-    torch.testing.assert_close(compiled.hif8_decode_compiled(codes, dtype), hif8.decode(codes).to(dtype),
+    torch.testing.assert_close(compiled.hif8_decode(codes, dtype), hif8.decode(codes).to(dtype),
                                rtol=0, atol=0, equal_nan=True)
 
 
@@ -162,7 +171,7 @@ def test_compiled_decodes_equal_eager(gen, dtype):
 @pytest.mark.parametrize("alg", ["floor", "ceil"])
 def test_compiled_ragged_col_quantize_and_decode_equal_eager_without_recompiling(gen, alg):
     """Routing changes the block count every step; the static block bound keeps one graph."""
-    from te_npu.numerics.groups import group_sizes_tensor
+    from te_npu.ops.group_sizes import group_sizes_tensor
 
     x = mixed_input((81, 64), gen, dtype=torch.bfloat16)
     x[3, 5] = float("nan")
@@ -170,10 +179,10 @@ def test_compiled_ragged_col_quantize_and_decode_equal_eager_without_recompiling
     compiles_before = None
     for i, sizes in enumerate(splits):
         group_sizes = group_sizes_tensor(sizes)
-        data, scale = compiled.quantize_grouped_compiled(x, group_sizes, scale_alg=alg)
+        data, scale = compiled.mxfp8_quantize_grouped(x, group_sizes, scale_alg=alg)
         assert_bitwise_equal([data, scale], mxfp8.quantize_grouped(x, group_sizes, scale_alg=alg))
         for dtype, shift in ((torch.float32, 0), (torch.bfloat16, 3)):
-            got = compiled.mxfp8_dequantize_grouped_compiled(data, scale, group_sizes, dtype, shift)
+            got = compiled.mxfp8_decode_grouped(data, scale, group_sizes, dtype, shift)
             row_to_block, _ = mxfp8.group_block_index(group_sizes)
             raised = (mxfp8.e8m0_to_float(scale) * 2.0**shift)[row_to_block]
             torch.testing.assert_close(got, (mxfp8.decode_e4m3(data) * raised).to(dtype), rtol=0, atol=0, equal_nan=True)

@@ -1,4 +1,4 @@
-"""The native C++ MXFP8 CPU kernel equals the eager reference ``mxfp8.quantize`` bit for bit.
+"""The native C++ CPU kernels (``te_npu.ops.kernels.native_cpu``) equal the eager reference bit for bit.
 
 The kernel's bf16 fast path rounds on 16-bit integer lanes and hands rows it cannot do exactly
 to the float path; the sweep below feeds it every finite bf16 value under every reachable block
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from te_npu.numerics import hif8, mxfp8, native_cpu
+from te_npu.numerics import hif8, mxfp8
+from te_npu.ops.kernels import native_cpu
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -150,9 +151,8 @@ def test_wrong_out_buffers_are_refused():
         native_cpu.quantize_dual(x, out=(good[0], good[1], torch.empty(64, 64), good[3]))
 
 
-def test_env_switch_routes_emulation_quantization_to_the_native_kernel(monkeypatch, gen):
+def test_native_variant_routes_emulation_quantization_to_the_native_kernel(monkeypatch, gen):
     from te_npu import ops
-    from te_npu.ops import emulation
 
     calls = []
     monkeypatch.setattr(native_cpu, "quantize_dual", lambda *a, **k: calls.append("dual") or mxfp8.quantize_dual(*a, **k))
@@ -161,17 +161,16 @@ def test_env_switch_routes_emulation_quantization_to_the_native_kernel(monkeypat
     ops.mxfp8_quantize_dual(x)
     ops.mxfp8_quantize(x, axis=-2)
     assert calls == []  # default: eager
-    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
-    ops.mxfp8_quantize_dual(x)
-    ops.mxfp8_quantize(x, axis=-1)
-    ops.mxfp8_quantize(x.reshape(64, 2, 32), axis=0)  # a leading axis: eager
+    with ops.use_quant_kernel("native"):
+        ops.mxfp8_quantize_dual(x)
+        ops.mxfp8_quantize(x, axis=-1)
+        ops.mxfp8_quantize(x.reshape(64, 2, 32), axis=0)  # a leading axis: eager
     assert calls == ["dual", "one"]
 
 
 @pytest.mark.parametrize("recipe_name", ["mxfp8", "hif8"])
 def test_linear_and_grouped_expert_steps_under_native_kernels_match_eager_bitwise(monkeypatch, gen, recipe_name):
     import te_npu
-    from te_npu.ops import emulation
 
     recipe = te_npu.MXFP8BlockRecipe() if recipe_name == "mxfp8" else te_npu.HiF8CurrentScalingRecipe()
     x = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
@@ -193,8 +192,8 @@ def test_linear_and_grouped_expert_steps_under_native_kernels_match_eager_bitwis
     for name in ("quantize", "quantize_dual", "hif8_current_quantize", "dequantize", "hif8_decode"):
         original = getattr(native_cpu, name)
         monkeypatch.setattr(native_cpu, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
-    native = step(build())
+    with te_npu.ops.use_quant_kernel("native"):
+        native = step(build())
     # MXFP8: dual for dense operands and weights, row-only for grouped activations plus their
     # padded ragged col blocks; HiF8: one current-scaled payload per tensor; every GEMM operand
     # decodes natively (ragged col operands included)
@@ -205,13 +204,12 @@ def test_linear_and_grouped_expert_steps_under_native_kernels_match_eager_bitwis
         assert torch.equal(a, b)
 
 
-def test_unknown_env_value_is_refused_naming_the_variable(monkeypatch):
+def test_unknown_kernel_name_is_refused_naming_the_known_ones():
     from te_npu import ops
-    from te_npu.ops import emulation
 
-    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match="TE_NPU_QUANT_KERNEL='fast'"):
-        ops.mxfp8_quantize_dual(torch.zeros(64, 64))
+    with pytest.raises(ValueError, match=r"unknown quantization kernel 'fast'.*eager.*compiled.*native"):
+        with ops.use_quant_kernel("fast"):
+            pass
 
 
 # ----------------------------------------------------------------------------- HiF8
@@ -301,7 +299,8 @@ def test_hif8_any_finite_fp32_tensor_matches_eager(arr, format_max):
 def test_a_kernel_that_cannot_build_raises_with_the_reason_instead_of_running_eager(monkeypatch):
     import torch.utils.cpp_extension as cpp_extension
 
-    from te_npu.ops import emulation
+    from te_npu import ops
+    from te_npu.ops.kernels import QuantKernelUnavailable, choose_quant_kernel
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
@@ -312,17 +311,16 @@ def test_a_kernel_that_cannot_build_raises_with_the_reason_instead_of_running_ea
         assert native_cpu.is_available(return_reason=True) == (False, "RuntimeError: Ninja is required to load C++ extensions")
         with pytest.raises(native_cpu.NativeKernelUnavailable, match="Ninja is required"):
             native_cpu.quantize_dual(torch.zeros(64, 64))
-        monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
-        with pytest.raises(native_cpu.NativeKernelUnavailable, match="Ninja is required"):
-            te_npu_ops_quantize_dual(torch.zeros(64, 64))
+        with pytest.raises(QuantKernelUnavailable, match="'native' kernels cannot run here: .*Ninja is required"):
+            with ops.use_quant_kernel("native"):
+                ops.mxfp8_quantize_dual(torch.zeros(64, 64))
+        with pytest.raises(QuantKernelUnavailable, match="Ninja is required"):
+            choose_quant_kernel("native", "cpu")
+        # auto alone falls back, and says why
+        choice = choose_quant_kernel("auto", "cpu")
+        assert choice.name == "eager" and "Ninja is required" in choice.reason
     finally:
         native_cpu._load.cache_clear()  # the next caller builds (or loads the cached build) again
-
-
-def te_npu_ops_quantize_dual(x):
-    from te_npu import ops
-
-    return ops.mxfp8_quantize_dual(x)
 
 
 # ----------------------------------------------------------------------------- table decode
@@ -389,7 +387,6 @@ def test_decode_rejects_bad_block_maps_and_shapes():
 @pytest.mark.parametrize("scale_alg", ["floor", "ceil"])
 def test_ragged_col_quantization_through_the_native_kernel_matches_eager(monkeypatch, gen, scale_alg):
     from te_npu import ops
-    from te_npu.ops import emulation
 
     sizes = torch.tensor([40, 0, 7, 33, 1])
     x = (torch.randn(81, 64, generator=gen) * torch.logspace(-30, 30, 81).unsqueeze(1)).to(torch.bfloat16)
@@ -398,7 +395,7 @@ def test_ragged_col_quantization_through_the_native_kernel_matches_eager(monkeyp
     calls = []
     original = native_cpu.quantize
     monkeypatch.setattr(native_cpu, "quantize", lambda *a, **k: calls.append(k.get("axis")) or original(*a, **k))
-    monkeypatch.setenv(emulation.QUANT_KERNEL_ENV, "native")
-    got = ops.mxfp8_quantize_grouped(x, sizes, scale_alg=scale_alg)
+    with ops.use_quant_kernel("native"):
+        got = ops.mxfp8_quantize_grouped(x, sizes, scale_alg=scale_alg)
     assert calls == [-2]
     assert_same(got, want)

@@ -1,7 +1,13 @@
-"""Hand-written CPU kernels for MXFP8 quantization (both orientations in one pass), HiF8
-current scaling (amax, scale and codes) and the table decode of both formats to FP32,
-bit-identical to :mod:`te_npu.numerics.mxfp8` / :mod:`te_npu.numerics.hif8`, which stay the
-reference and the default everywhere.
+"""The ``native`` variant: hand-written CPU kernels for MXFP8 quantization (both orientations in
+one pass), HiF8 current scaling (amax, scale and codes) and the table decode of both formats to
+FP32, bit-identical to :mod:`te_npu.numerics.mxfp8` / :mod:`te_npu.numerics.hif8`, which stay
+the reference.
+
+What the kernels cover -- CPU tensors, 32-element blocks along one of the last two dims (MXFP8
+row / col / dual, the col blocks of the ragged grouped quantization), HiF8 current scaling of
+non-empty tensors, FP32 decodes of operands with >= 2 dims -- :class:`NativeCpuKernels` runs
+natively; anything else (a leading axis, another block size, HiF8 with a given scale, a BF16
+decode) runs the eager code it inherits, the same bits.
 
 The kernels (``native/{mxfp8_cpu,hif8_cpu,decode_cpu,bindings}.cpp``) are C++ built on first use with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja, as ``torch.compile`` on CPU
@@ -26,8 +32,11 @@ import torch
 
 from te_npu.numerics import hif8, mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.ops.group_sizes import host_group_sizes
+from te_npu.ops.kernels.eager import EagerKernels
 
 __all__ = [
+    "NativeCpuKernels",
     "NativeKernelUnavailable",
     "dequantize",
     "hif8_current_quantize",
@@ -122,8 +131,8 @@ def quantize_dual(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: s
         raise ValueError(f"quantize_dual needs a [..., N, K] tensor, got shape {tuple(x.shape)}")
     if block_size != MX_BLOCK_SIZE:
         raise ValueError(f"native MXFP8 kernel supports block_size={MX_BLOCK_SIZE} only, got {block_size}")
-    mxfp8._check(x, -1, block_size, scale_alg)
-    mxfp8._check(x, -2, block_size, scale_alg)
+    mxfp8.check_blocked(x, -1, block_size, scale_alg)
+    mxfp8.check_blocked(x, -2, block_size, scale_alg)
     *lead, n, k = x.shape
     flat = _as_kernel_input(x).reshape(-1, k)  # [B*N, K]: N % 32 == 0, so no col block spans two matrices
     if out is None:
@@ -141,7 +150,7 @@ def quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_SIZE, s
     """Native :func:`mxfp8.quantize` for ``axis`` -1 (row) or -2 (col) of ``x: [..., N, K]``; bitwise equal."""
     if block_size != MX_BLOCK_SIZE:
         raise ValueError(f"native MXFP8 kernel supports block_size={MX_BLOCK_SIZE} only, got {block_size}")
-    axis = mxfp8._check(x, axis, block_size, scale_alg)
+    axis = mxfp8.check_blocked(x, axis, block_size, scale_alg)
     k = x.shape[-1]
     flat = _as_kernel_input(x).reshape(-1, k)
     ceil = scale_alg == "ceil"
@@ -252,15 +261,69 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, *, scale
     return out.reshape(data.shape)
 
 
-@lru_cache(maxsize=None)
-def _hif8_table() -> torch.Tensor:
-    """fp32 [256]: every HiF8 code's value (``hif8.decode``, the reference)."""
-    return hif8.decode(torch.arange(256, dtype=torch.uint8)).contiguous()
-
-
 def hif8_decode(codes: torch.Tensor) -> torch.Tensor:
     """Native ``hif8.decode(codes)`` for uint8 codes with >= 2 dims (fp32, same shape), bitwise equal."""
     flat = _codes_2d(codes, "codes")
     out = torch.empty(flat.shape, dtype=torch.float32)
-    _module().lut_decode_into(flat, _hif8_table(), _EMPTY_F32, _NO_SCALE, 1, _EMPTY_I64, out)
+    _module().lut_decode_into(flat, hif8.DECODE_TABLE, _EMPTY_F32, _NO_SCALE, 1, _EMPTY_I64, out)
     return out.reshape(codes.shape)
+
+
+# ----------------------------------------------------------------------------- the variant
+def _cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+class NativeCpuKernels(EagerKernels):
+    """The C++ CPU kernels above where they apply, the inherited eager code elsewhere."""
+
+    name = "native"
+    devices = frozenset({"cpu"})
+
+    def availability(self) -> tuple[bool, str | None]:
+        return is_available(return_reason=True)
+
+    def mxfp8_quantize(self, x, axis=-1, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+        if _cpu(x) and block_size == MX_BLOCK_SIZE and x.dim() >= 2 and axis % x.dim() >= x.dim() - 2:
+            return quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
+        return super().mxfp8_quantize(x, axis, block_size, scale_alg)
+
+    def mxfp8_quantize_dual(self, w, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+        if _cpu(w) and block_size == MX_BLOCK_SIZE:
+            return quantize_dual(w, block_size, scale_alg)
+        return super().mxfp8_quantize_dual(w, block_size, scale_alg)
+
+    def mxfp8_quantize_grouped(self, x, group_sizes, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+        if not (_cpu(x) and block_size == MX_BLOCK_SIZE):
+            return super().mxfp8_quantize_grouped(x, group_sizes, block_size, scale_alg)
+        if x.dim() != 2:
+            raise ValueError(f"quantize_grouped needs a [T, K] tensor, got shape {tuple(x.shape)}")
+        mxfp8.check_blocked(x, -1, 1, scale_alg)
+        _, padded_row, num_blocks = mxfp8.ragged_layout(group_sizes, host_group_sizes(group_sizes), x.shape[0],
+                                                        block_size)
+        # pad and gather as eager (index math), the col blocks natively
+        padded = mxfp8.pad_ragged(x, padded_row, num_blocks * block_size)
+        data_padded, scale = quantize(padded, axis=-2, block_size=block_size, scale_alg=scale_alg)
+        return mxfp8.gather_ragged(data_padded, padded_row), scale
+
+    def hif8_quantize(self, x, format_max, per_group=False):
+        if _cpu(x) and x.numel() > 0:
+            return hif8_current_quantize(x, format_max, per_group=per_group)
+        return super().hif8_quantize(x, format_max, per_group)
+
+    def mxfp8_decode(self, data, scale, axis=-1, dtype=torch.float32, scale_shift=0):
+        if (_cpu(data) and dtype == torch.float32 and data.dim() >= 2
+                and data.shape[axis] % MX_BLOCK_SIZE == 0 and axis % data.dim() >= data.dim() - 2):
+            return dequantize(data, scale, axis, scale_shift=scale_shift)
+        return super().mxfp8_decode(data, scale, axis, dtype, scale_shift)
+
+    def mxfp8_decode_grouped(self, data, scale, group_sizes, dtype=torch.float32, scale_shift=0):
+        if not (_cpu(data) and dtype == torch.float32):
+            return super().mxfp8_decode_grouped(data, scale, group_sizes, dtype, scale_shift)
+        row_to_block, _ = mxfp8.group_block_index(group_sizes, MX_BLOCK_SIZE, host_sizes=host_group_sizes(group_sizes))
+        return dequantize(data, scale, -2, scale_shift=scale_shift, row_to_block=row_to_block)
+
+    def hif8_decode(self, codes, dtype=torch.float32):
+        if _cpu(codes) and dtype == torch.float32 and codes.dim() >= 2:
+            return hif8_decode(codes)
+        return super().hif8_decode(codes, dtype)
