@@ -15,7 +15,8 @@ private name                                               used for
 ``torch.Tensor._make_wrapper_subclass``                    the quantized weight wrapper tensor
 ``torch._grouped_mm``                                      high-precision grouped GEMM (the BF16 path)
 ``torch.utils._pytree.tree_map``                           map over an aten call's nested arguments
-``torch._dynamo.config.patch``                             scoped dynamo limits of compiled codecs
+``torch._dynamo.config`` recompile limits                  compiled codecs: one graph per shape
+``torch.utils._python_dispatch.TorchDispatchMode``          the host-sync counter (``te_npu.testing``)
 ``torch.distributed.distributed_c10d._get_default_store``  the job's store (cross-rank failure flags)
 ``torch.distributed.checkpoint._consolidate_hf_safetensors``
 ``._consolidate_safetensors_files``                        HF safetensors export, one file at a time
@@ -54,7 +55,8 @@ __all__ = [
     "grouped_mm",
     "grouped_mm_available",
     "tree_map",
-    "dynamo_config_patch",
+    "raise_dynamo_recompile_limits",
+    "torch_dispatch_mode",
     "default_store",
     "consolidate_safetensors_files",
     "local_tensor",
@@ -75,7 +77,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch", "Tensor._make_wrapper_subclass"),
     ("torch", "_grouped_mm"),
     ("torch.utils._pytree", "tree_map"),
-    ("torch._dynamo.config", "patch"),
+    ("torch._dynamo.config", "recompile_limit"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch._dynamo.config", "accumulated_recompile_limit"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.distributed.checkpoint._consolidate_hf_safetensors", "_consolidate_safetensors_files"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
@@ -135,14 +139,25 @@ def tree_map(fn, tree):
     return _pytree.tree_map(fn, tree)
 
 
-def dynamo_config_patch(**changes: Any):
-    """A context manager (and decorator) setting ``torch._dynamo.config`` values for its scope."""
+def raise_dynamo_recompile_limits(per_function: int, accumulated: int) -> None:
+    """Raise ``torch._dynamo.config``'s recompile limits to at least these values, process-wide
+    (never lowering a limit the user set higher)."""
     import torch._dynamo  # noqa: F401 -- heavy: only when something is compiled
 
-    return torch._dynamo.config.patch(**changes)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, per_function)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, accumulated)
 
 
 # ---- torch.distributed -----------------------------------------------------------------------------
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``, the base class of a
+    ``__torch_dispatch__`` mode (documented in torch's extending guide, in a private module)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
 
 
 def default_store():

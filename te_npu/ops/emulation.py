@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from te_npu import compat
 from te_npu.formats import Format, spec
 from te_npu.ops.group_sizes import host_group_sizes, with_mirror_of
 from te_npu.ops.kernels import active_quant_kernels
@@ -119,10 +120,10 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, kind: st
     out_dtype = None
     if a.dtype == torch.bfloat16:
         out_dtype = torch.bfloat16 if bf16_product else torch.float32
-    fused = hasattr(torch, "_grouped_mm") and not (a.device.type == "cuda" and out_dtype == torch.float32)
+    fused = compat.grouped_mm_available() and not (a.device.type == "cuda" and out_dtype == torch.float32)
     if fused:
         try:
-            product = torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
+            product = compat.grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
             if kind == "k":  # an empty reduction group is zero by contract; not every build writes it
                 for g, size in enumerate(host_group_sizes(counts)):
                     if size == 0:

@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from te_npu import compat
 
 __all__ = ["HostSyncs", "count_host_syncs"]
 
@@ -53,7 +54,7 @@ class HostSyncs:
         return sum(self.calls.values())
 
 
-class _SyncMode(TorchDispatchMode):
+class _SyncMode(compat.torch_dispatch_mode()):
     def __init__(self, syncs: HostSyncs) -> None:
         super().__init__()
         self.syncs = syncs

@@ -112,15 +112,12 @@ def _private_torch_touches(path: pathlib.Path) -> list[str]:
     return found
 
 
-# Private torch touches in files other rooms of issue 13 are rewriting (numerics/compiled.py,
-# ops/emulation.py, ops/host_syncs.py): their call sites move to te_npu.compat with that work.
-_PENDING = {"compiled.py", "emulation.py", "host_syncs.py"}
 
 
 def test_no_private_torch_name_outside_compat():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "compat.py" or path.name in _PENDING:
+        if path.name == "compat.py":
             continue
         offenders += _private_torch_touches(path)
     assert offenders == [], "private torch names belong in te_npu/compat.py:\n" + "\n".join(offenders)

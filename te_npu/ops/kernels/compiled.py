@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from te_npu import compat
 from te_npu.numerics import hif8, mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE
 from te_npu.ops.group_sizes import host_group_sizes
@@ -38,13 +39,8 @@ dynamo's default limit of 8 per function is a hard error under ``fullgraph``."""
 
 def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
     """Raise dynamo's recompile limits to ``limit`` graphs per function, once, process-wide (never
-    lowering a limit the user set higher).
-
-    Private torch API (``torch._dynamo.config``, stable across 2.x): the only one this package
-    touches; it moves into the compat module of issue 13 (item 3) at merge."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, limit)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * limit)
+    lowering a limit the user set higher; the private config lives in ``te_npu.compat``)."""
+    compat.raise_dynamo_recompile_limits(limit, 4 * limit)
 
 
 def max_ragged_blocks(num_rows: int, num_groups: int, block_size: int = MX_BLOCK_SIZE) -> int:
