@@ -64,6 +64,7 @@ from te_npu.distributed.checkpoint_manifest import (
 )
 from te_npu.distributed.optim import MasterWeightOptimizer, refresh_low_precision_weights
 from te_npu.tensor import QuantizedWeightTensor
+from te_npu.distributed import process_group
 
 __all__ = [
     "save",
@@ -109,7 +110,7 @@ def save(
     those of the step ``latest`` names, else a new lineage without parent).
     """
     directory = os.fspath(directory)
-    rank, world = _rank(), _world()
+    rank, world = process_group.rank(), process_group.world_size()
     name = f"step_{int(step)}"
     final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
     if rank == 0:
@@ -119,13 +120,13 @@ def save(
         _refuse_foreign(final, lineage)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died
         os.makedirs(tmp)
-    _barrier()
+    process_group.barrier()
     dcp.save(_state_dict(model, optimizer, for_save=True), checkpoint_id=tmp)
     torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
     if rank == 0:
         _write_json(os.path.join(tmp, _META), {"step": int(step), "world_size": world, "lineage": lineage,
                                                "parent": parent, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    _barrier()
+    process_group.barrier()
     mine = [n for n in os.listdir(tmp) if _writer_rank(n, world) == rank]
     entries = _gather_dicts(hash_files(tmp, mine))
     if rank == 0:
@@ -138,7 +139,7 @@ def save(
         _write_latest(directory, name)
         if keep_last is not None:
             _prune(directory, keep_last, lineage, int(step))  # the history chain from step_{step}
-    _barrier()
+    process_group.barrier()
     return final
 
 
@@ -162,8 +163,8 @@ def load(
     if verify:
         verify_step(path, checksums=checksums)
     info = step_info(path)
-    rank = _rank()
-    extra_path = os.path.join(path, f"extra_rank{rank if info.get('world_size') == _world() else 0}.pt")
+    rank = process_group.rank()
+    extra_path = os.path.join(path, f"extra_rank{rank if info.get('world_size') == process_group.world_size() else 0}.pt")
     if not os.path.isfile(extra_path):
         raise ConfigError(f"checkpoint {path}: {os.path.basename(extra_path)} is missing: the data position, "
                           "skipped count and RNG state of the run are in it; refusing a partial resume")
@@ -247,7 +248,7 @@ def verify_step(step_dir: str | os.PathLike, *, checksums: bool = True) -> None:
         problems = [str(exc)]
     else:
         names = sorted(files)
-        problems = verify_files(step_dir, files, names[_rank()::_world()], checksums=checksums)
+        problems = verify_files(step_dir, files, names[process_group.rank()::process_group.world_size()], checksums=checksums)
         problems = sorted(p for rank_problems in _gather_lists(problems) for p in rank_problems)
     if problems:
         more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
@@ -329,19 +330,6 @@ def _weights_from_model_view(model: nn.Module, view: dict[str, torch.Tensor]) ->
 
 
 # ---- files -------------------------------------------------------------------------------------
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _gather_lists(items: list) -> list[list]:

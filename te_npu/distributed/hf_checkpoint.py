@@ -37,6 +37,7 @@ from te_npu.compat import consolidate_safetensors_files, local_shape_and_global_
 from te_npu.distributed.hf_layout import HFKeyMap, HFPiece, HFStoredTensor, plan_hf_read, plan_hf_write
 from te_npu.distributed.progress import ProgressBar
 from te_npu.errors import ConfigError
+from te_npu.distributed import process_group
 
 __all__ = [
     "HFCheckpoint",
@@ -176,7 +177,7 @@ def load_hf_weights(
             view = _local_piece(local, offsets, tuple(target.shape), piece, where)
             if view is not None:
                 state[piece.key] = view
-    report = HFReadReport(_rank(), checkpoint_bytes=checkpoint.total_bytes)
+    report = HFReadReport(process_group.rank(), checkpoint_bytes=checkpoint.total_bytes)
     reader = _RecordingReader(checkpoint.path, report, progress=progress, threads=threads)
     with torch.no_grad():
         dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
@@ -270,11 +271,11 @@ def save_hf_weights(
     entries = plan_hf_write({fqn: tuple(t.shape) for fqn, t in sources.items()}, key_map, dtype=dtype,
                             max_shard_bytes=max_shard_bytes, per_expert=per_expert)
     names = hf_file_names(max(e.file_index for e in entries))
-    rank, world = _rank(), _world()
+    rank, world = process_group.rank(), process_group.world_size()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an export that died
         os.makedirs(staging)
-    _barrier()
+    process_group.barrier()
 
     state: dict[str, torch.Tensor] = {}
     for entry in entries:
@@ -290,7 +291,7 @@ def save_hf_weights(
                                       save_distributed=True, thread_count=threads)
     dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
     del state
-    _barrier()
+    process_group.barrier()
 
     mine = [i for i in names if (i - 1) % world == rank]
     with ProgressBar(len(mine), f"writing HF files (rank {rank}'s {len(mine)} of {len(names)})",
@@ -299,7 +300,7 @@ def save_hf_weights(
             mapping = {e.key: names[index] for e in entries if e.file_index == index}
             consolidate_safetensors_files(staging, tmp, mapping, num_threads=1)
             bar.update()
-    _barrier()
+    process_group.barrier()
     total = sum(_numel(e.shape) * e.dtype.itemsize for e in entries)
     if rank == 0:
         if len(names) > 1:
@@ -310,7 +311,7 @@ def save_hf_weights(
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
-    _barrier()
+    process_group.barrier()
     return HFWriteReport(final, tuple(names.values()), len(entries), total)
 
 
@@ -330,14 +331,3 @@ def _numel(shape) -> int:
     return n
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

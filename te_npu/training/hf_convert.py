@@ -28,6 +28,7 @@ from te_npu.distributed.progress import ProgressBar
 from te_npu.errors import ConfigError
 from te_npu.training import hf_weights
 from te_npu.training.config import TrainConfig
+from te_npu.distributed import process_group
 
 __all__ = ["dcp_to_hf", "hf_to_dcp"]
 
@@ -59,14 +60,14 @@ def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: s
     tensors = {fqn: _sharded_zeros(shape, torch.float32, mesh) for fqn, shape in shapes.items()}
     items = list(tensors.items())
     batches = [items[i: i + _LOAD_BATCH] for i in range(0, len(items), _LOAD_BATCH)]
-    with ProgressBar(len(items), "reading DCP tensors", enabled=progress and _rank() == 0, unit="tensor") as bar:
+    with ProgressBar(len(items), "reading DCP tensors", enabled=progress and process_group.rank() == 0, unit="tensor") as bar:
         for batch in batches:
             dcp.load({keys[fqn]: t for fqn, t in batch}, checkpoint_id=path, no_dist=not dist.is_initialized())
             bar.update(len(batch))
     torch_dtype = hf_weights.EXPORT_DTYPES[dtype]
     return save_hf_weights(out, tensors, adapter.key_map, adapter.config_json(torch_dtype), dtype=torch_dtype,
                            max_shard_bytes=max_shard_mb * 2**20, per_expert=per_expert, overwrite=overwrite,
-                           progress=progress and _rank() == 0)
+                           progress=progress and process_group.rank() == 0)
 
 
 FRESH_START_EXTRA = {"data": None, "skipped_iterations": 0, "rng": None}
@@ -85,7 +86,7 @@ def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool =
     hf_weights.check_initial_keys(hf, model, adapter)
     _materialize_sharded_(model, _mesh())
     optimizer = MasterWeightOptimizer(model, lr=cfg.training.lr)  # no 8-bit weights: masters from the params
-    hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and _rank() == 0)
+    hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and process_group.rank() == 0)
     return checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA)
 
 
@@ -116,5 +117,3 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
