@@ -1,13 +1,8 @@
-"""Seeded weights for the quantized-tensor tests (never a module-level seed)."""
+"""Seeded weights for the quantized-tensor tests (``gen``: tests/unit/conftest.py)."""
 import pytest
 import torch
 
 from te_npu.tensor import HiF8Tensor, MXFP8Tensor
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(20240611)
 
 
 @pytest.fixture

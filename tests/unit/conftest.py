@@ -1,4 +1,4 @@
-"""Seeded randomness for the kernel tests (never a module-level seed)."""
+"""Seeded randomness for the unit tests (never a module-level seed); a folder may override ``gen``."""
 import numpy as np
 import pytest
 import torch
