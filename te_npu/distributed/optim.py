@@ -40,7 +40,6 @@ from te_npu import events
 from te_npu.compat import local_tensor
 from te_npu.quantize_weights import quantize_weights_
 from te_npu.tensor import QuantizedWeightTensor
-from te_npu.tensor.weight import AmaxReduction
 
 __all__ = [
     "StepResult",
@@ -92,12 +91,12 @@ def refresh_low_precision_weights(
 
     params: ``QuantizedWeightTensor`` parameters (or DTensors over them); master_params: the
     matching FP32 shards, same shapes. Each weight refreshes itself
-    (``QuantizedWeightTensor.refresh_from_master``), given a MAX all-reduce of amaxes over
-    ``group`` (default: the parameter's FSDP mesh group; none for an unsharded parameter) that
-    a format whose scale spans the whole weight uses (HiF8 dense: every rank quantizes its rows
-    with the full weight's scale -- identical to quantizing the full weight); MXFP8 blocks and
-    HiF8 per-expert scales stay local. Collectives are issued in ``params`` order, which must
-    be the same on every rank.
+    (``QuantizedWeightTensor.refresh_from_master``). A format whose scale spans the whole weight
+    (HiF8 dense: every rank quantizes its rows with the full weight's scale -- identical to
+    quantizing the full weight) gives its shard's part (``shared_scale_amax``); those amaxes are
+    MAX-reduced over ``group`` (default: each parameter's FSDP mesh group; none for an unsharded
+    parameter) in one all-reduce per group, stacked in ``params`` order (which must be the same
+    on every rank); MXFP8 blocks and HiF8 per-expert scales stay local.
 
     Route (both backends compute the same numbers by construction): the FP32 master is
     quantized as FP32, never rounded to BF16 first. On the NPU that means the kernels that take
@@ -106,13 +105,36 @@ def refresh_low_precision_weights(
     (``[E]`` along axis 0 for experts: no per-expert loop; ``npu_dynamic_quant`` takes FP16 /
     BF16 only). The emulation quantizes the same FP32 values with the same arithmetic.
     """
+    pairs = []
     for param, master in zip(params, master_params, strict=True):
         shard, master_shard = local_tensor(param), local_tensor(master)
         if not isinstance(shard, QuantizedWeightTensor):
             raise TypeError(f"refresh_low_precision_weights: expected a quantized weight, got {type(shard).__name__}")
-        shard.refresh_from_master(master_shard, reduce_amax=_max_over(group if group is not None else _mesh_group(param)))
+        pairs.append((param, shard, master_shard))
+    shared = _shared_amaxes(pairs, group)
+    for i, (param, shard, master_shard) in enumerate(pairs):
+        shard.refresh_from_master(master_shard, amax=shared.get(i))
         if on_refresh is not None:
             on_refresh(param)
+
+
+def _shared_amaxes(pairs, group) -> dict[int, torch.Tensor]:
+    """Index -> the whole weight's amax, for each shard with a shared scale on a group of more
+    than one rank: one stacked MAX all-reduce per group (a single one under FSDP2's one mesh)."""
+    by_group: dict = {}
+    for i, (param, shard, master_shard) in enumerate(pairs):
+        amax_group = group if group is not None else _mesh_group(param)
+        if amax_group is None or dist.get_world_size(amax_group) == 1:
+            continue
+        local = shard.shared_scale_amax(master_shard)
+        if local is not None:
+            by_group.setdefault(amax_group, []).append((i, local))
+    out = {}
+    for amax_group, items in by_group.items():
+        stacked = torch.stack([local.reshape(()) for _, local in items])
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=amax_group)
+        out.update({i: stacked[k] for k, (i, _) in enumerate(items)})
+    return out
 
 
 def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -273,18 +295,6 @@ def _make_master(fqn: str, param: torch.Tensor, initial: torch.Tensor | None) ->
 
 def _mesh_group(param: torch.Tensor):
     return param.device_mesh.get_group() if isinstance(param, DTensor) else None
-
-
-def _max_over(group) -> AmaxReduction | None:
-    """A MAX all-reduce of an amax over ``group`` (None: no group, or a group of one)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return None
-
-    def reduce_amax(amax: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        return amax
-
-    return reduce_amax
 
 
 def _collective_device(group) -> torch.device:

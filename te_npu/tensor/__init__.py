@@ -1,6 +1,6 @@
 """Quantized tensors: short-lived GEMM operands and persistent 8-bit weights."""
 from te_npu.ops.operand import QuantizedOperand
-from te_npu.tensor.weight import AmaxReduction, QuantizedWeightTensor, ShardAlignment, attach_high_precision_init_val
+from te_npu.tensor.weight import QuantizedWeightTensor, ShardAlignment, attach_high_precision_init_val
 from te_npu.tensor.weight_ops import QuantizedWeightUpdateWarning  # registers the PyTorch-interop handlers
 from te_npu.tensor.mxfp8_tensor import MXFP8Tensor
 from te_npu.tensor.hif8_tensor import HiF8Tensor
@@ -9,7 +9,6 @@ from te_npu.tensor.factory import WEIGHT_TENSOR_BY_FORMAT, quantize_weight
 __all__ = [
     "QuantizedOperand",
     "QuantizedWeightTensor",
-    "AmaxReduction",
     "ShardAlignment",
     "QuantizedWeightUpdateWarning",
     "attach_high_precision_init_val",

@@ -28,7 +28,7 @@ from te_npu.numerics import hif8
 from te_npu.numerics.constants import HIF8_INPUT_MAX
 from te_npu.quantizers.hif8 import HiF8Quantizer, hif8_amax
 from te_npu.ops.operand import QuantizedOperand
-from te_npu.tensor.weight import AmaxReduction, QuantizedWeightTensor, ShardAlignment
+from te_npu.tensor.weight import QuantizedWeightTensor, ShardAlignment
 
 __all__ = ["HiF8Tensor"]
 
@@ -93,26 +93,35 @@ class HiF8Tensor(QuantizedWeightTensor):
         self._require_weight_shape("dequantize")
         return hif8.dequantize(self.qdata, self.scale).to(dtype or self.dtype)
 
-    def refresh_from_master(self, master_shard: torch.Tensor, *, reduce_amax: AmaxReduction | None = None) -> None:
+    def shared_scale_amax(self, master_shard: torch.Tensor) -> torch.Tensor | None:
+        """Dense ``[N, K]``: the shard's FP32 amax (``[]``), toward the weight's one scalar scale;
+        grouped ``[E, N, K]``: None (each whole expert in the shard has its own scale)."""
+        if spec(self.format).scale_groups(self.dim()):
+            return None
+        return hif8_amax(master_shard.detach())
+
+    def refresh_from_master(self, master_shard: torch.Tensor, *, amax: torch.Tensor | None = None) -> None:
         """Re-quantize from ``master_shard`` (same shape) into the existing data and scale.
 
-        Dense ``[N, K]`` (one scalar scale for the whole weight): the FP32 amax of the shard,
-        combined by ``reduce_amax`` with the other shards' (the optimizer MAX-reduces it over the
-        FSDP group), gives the scale ``amax * (1 / format_max)`` every shard quantizes with, so
-        the gathered weight equals quantizing the full weight; that amax is reported to
-        quantization observers. Grouped ``[E, N, K]``: each whole expert in the shard has its own
-        current scale; ``reduce_amax`` is not called.
+        Dense ``[N, K]`` (one scalar scale for the whole weight): ``amax`` (the FSDP-group MAX of
+        the shards' ``shared_scale_amax``; None: this shard's own) gives the scale
+        ``amax * (1 / format_max)`` every shard quantizes with, so the gathered weight equals
+        quantizing the full weight; that amax is reported to quantization observers. Grouped
+        ``[E, N, K]``: each whole expert in the shard has its own current scale; an ``amax`` is
+        refused.
         """
         self._require_weight_shape("refresh_from_master")
         if list(master_shard.shape) != list(self.shape):
             raise ValueError(f"refresh_from_master: master shape {list(master_shard.shape)} != weight {list(self.shape)}")
         master_shard = master_shard.detach()
         if spec(self.format).scale_groups(self.dim()):  # per-expert scales: local to the shard
+            if amax is not None:
+                raise ValueError("refresh_from_master: HiF8 experts have per-expert scales, none shared across "
+                                 "shards; amax must be None")
             self._store(_quantize(self._quantizer, master_shard, None))
             return
-        amax = hif8_amax(master_shard)
-        if reduce_amax is not None:
-            amax = reduce_amax(amax)
+        if amax is None:
+            amax = hif8_amax(master_shard)
         scale = hif8.current_scale(amax, self._quantizer.format_max)
         self._store(_quantize(self._quantizer, master_shard, scale, amax))
 

@@ -34,7 +34,7 @@ from te_npu.quantizers.mxfp8 import MXFP8Quantizer
 from te_npu.numerics import mxfp8
 from te_npu.ops.layouts import PAIR, copy_canonical_scale_, to_canonical
 from te_npu.ops.operand import QuantizedOperand
-from te_npu.tensor.weight import AmaxReduction, QuantizedWeightTensor, ShardAlignment
+from te_npu.tensor.weight import QuantizedWeightTensor, ShardAlignment
 
 __all__ = ["MXFP8Tensor"]
 
@@ -118,13 +118,15 @@ class MXFP8Tensor(QuantizedWeightTensor):
         value = mxfp8.dequantize(self.row_data, self.row_scale, axis=-1, block_size=self._quantizer.block_size)
         return value.to(dtype or self.dtype)
 
-    def refresh_from_master(self, master_shard: torch.Tensor, *, reduce_amax: AmaxReduction | None = None) -> None:
+    def refresh_from_master(self, master_shard: torch.Tensor, *, amax: torch.Tensor | None = None) -> None:
         """Re-quantize both copies from ``master_shard`` (same shape) into the existing storage.
 
-        ``reduce_amax`` is never called: every MX scale covers one 32-element block inside this
-        shard, so no scale depends on another shard.
+        No ``amax``: every MX scale covers one 32-element block inside this shard, so no scale
+        depends on another shard (``shared_scale_amax`` is None).
         """
         self._require_weight_shape("refresh_from_master")
+        if amax is not None:
+            raise ValueError("refresh_from_master: an MXFP8 weight has no scale shared across shards; amax must be None")
         if list(master_shard.shape) != list(self.shape):
             raise ValueError(f"refresh_from_master: master shape {list(master_shard.shape)} != weight {list(self.shape)}")
         self._requantize_(master_shard)

@@ -37,16 +37,11 @@ from te_npu.compat import disabled_torch_function_impl, make_wrapper_subclass
 from te_npu.formats import Format, Orientation
 from te_npu.ops.operand import QuantizedOperand
 
-__all__ = ["QuantizedWeightTensor", "AmaxReduction", "ShardAlignment", "implements", "attach_high_precision_init_val"]
+__all__ = ["QuantizedWeightTensor", "ShardAlignment", "implements", "attach_high_precision_init_val"]
 
 aten = torch.ops.aten
 
 Handler = Callable[[Any, tuple, dict], Any]
-
-AmaxReduction = Callable[[torch.Tensor], torch.Tensor]
-"""Combines one shard's FP32 amax with the other shards' of the same weight and returns the amax
-of the whole weight (the optimizer passes a MAX all-reduce over the FSDP group; may work in place)."""
-
 
 @dataclass(frozen=True)
 class ShardAlignment:
@@ -166,14 +161,21 @@ class QuantizedWeightTensor(torch.Tensor):
             quantizer=self._quantizer,
         )
 
-    def refresh_from_master(self, master_shard: torch.Tensor, *, reduce_amax: AmaxReduction | None = None) -> None:
+    def shared_scale_amax(self, master_shard: torch.Tensor) -> torch.Tensor | None:
+        """This shard's FP32 amax toward a scale every shard of the weight shares (HiF8 dense: one
+        scalar for the whole weight), or None when no scale spans shards (MXFP8 blocks, HiF8
+        per-expert scales). The MAX of it over the shards is the ``amax`` that
+        ``refresh_from_master`` takes."""
+        return None
+
+    def refresh_from_master(self, master_shard: torch.Tensor, *, amax: torch.Tensor | None = None) -> None:
         """Re-quantize from ``master_shard`` (the FP32 master of this shard, same shape) into the
         existing storage (the optimizer's per-step refresh).
 
-        ``reduce_amax``: how this shard's amax joins the other shards' of the same weight. A
-        format whose scale spans the whole weight (HiF8 dense: one scalar) calls it, so every
-        shard quantizes with the scale of the full weight; formats whose scales stay inside a
-        shard (MXFP8 blocks, HiF8 per-expert) never call it. None: this shard is the whole weight.
+        ``amax``: the whole weight's FP32 amax for a shared scale (the MAX over every shard's
+        ``shared_scale_amax``), so every shard quantizes with the scale of the full weight; None:
+        this shard is the whole weight (the amax is its own). A format with no shared scale
+        refuses one.
         """
         raise NotImplementedError
 

@@ -140,3 +140,68 @@ def test_weight_decay_shrinks_matrices_but_not_norms_or_biases():
             assert torch.equal(master, before[fqn]), fqn
         else:
             assert torch.equal(master, before[fqn] * (1 - 1e-2 * 0.5)), fqn
+
+
+class _FourWeights(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = te_npu.TELinear(64, 64), te_npu.TELinear(64, 128), te_npu.TELinear(128, 64)
+        self.experts = te_npu.TEGroupedLinear(2, 64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # FSDP2 needs one; this test never runs it
+        return self.experts(self.c(self.b(self.a(x))), [x.shape[0], 0])
+
+
+def _coalesced_amax_worker(rank, world, workdir):
+    """Three dense HiF8 weights (one scalar scale each, shards on both ranks) and a grouped one."""
+    from te_npu.distributed import finalize_low_precision_weights
+    from te_npu.numerics import hif8
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        model = _FourWeights()
+        with torch.no_grad():
+            model.b.weight.mul_(5)  # the three dense weights get different scales
+    init = finalize_low_precision_weights(model, te_npu.HiF8CurrentScalingRecipe())
+    shard_model(model, mesh)
+    opt = MasterWeightOptimizer(model, init, lr=1e-2)
+    del init
+    reduces = []
+    original = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        reduces.append(list(tensor.shape))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        with torch.no_grad():  # a different update per rank and weight, as AdamW makes
+            for m in opt.masters.values():
+                local(m).mul_(1.5 + rank)
+        from te_npu.distributed.optim import refresh_low_precision_weights
+
+        names = list(opt.masters)
+        refresh_low_precision_weights([opt.params[n] for n in names], [opt.masters[n] for n in names])
+    finally:
+        dist.all_reduce = original
+    out = {"reduces": reduces, "scales_match_full_weight": {}}
+    for name in names:
+        full = torch.cat([torch.zeros_like(local(opt.masters[name])) for _ in range(world)])
+        dist.all_gather_into_tensor(full, local(opt.masters[name]).contiguous())
+        shard = local(opt.params[name])
+        if shard.dim() == 2:  # the scale of the whole FP32 weight, from an amax computed here
+            want = hif8.current_scale(full.abs().amax(), 15.0)
+        else:
+            want = hif8.current_scale(local(opt.masters[name]).abs().amax(dim=(1, 2)), 15.0)
+        out["scales_match_full_weight"][name] = torch.equal(shard.scale, want)
+    return out
+
+
+def test_dense_hif8_amaxes_meet_in_one_all_reduce_per_refresh(tmp_path):
+    """Every dense HiF8 weight needs the FSDP-group MAX of its shards' amaxes: one stacked
+    all-reduce serves them all (not one per weight), and each weight still gets the scale of
+    its whole FP32 master; the experts' per-expert scales stay local."""
+    for rank, r in enumerate(run_ranks(_coalesced_amax_worker, 2, tmp_path)):
+        assert r["reduces"] == [[3]], f"rank {rank}: {r['reduces']}"
+        assert all(r["scales_match_full_weight"].values()), f"rank {rank}: {r['scales_match_full_weight']}"

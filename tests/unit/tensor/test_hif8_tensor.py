@@ -67,15 +67,9 @@ def test_hif8_tensor_refresh_from_master_current_scaling_in_place(make_weight, s
 def test_hif8_tensor_dense_refresh_quantizes_with_the_reduced_amax(make_weight):
     t = HiF8Tensor.from_high_precision(make_weight(64, 32))
     master = make_weight(64, 32, dtype=torch.float32)
-    seen = []
+    assert torch.equal(t.shared_scale_amax(master), _amax(master))  # the shard's own FP32 amax
     group_amax = torch.tensor(112.5)  # e.g. the FSDP-group MAX of the shards' amaxes
-
-    def reduce_amax(amax):
-        seen.append(amax.clone())
-        return group_amax
-
-    t.refresh_from_master(master, reduce_amax=reduce_amax)
-    assert len(seen) == 1 and torch.equal(seen[0], _amax(master))  # the shard's own FP32 amax, once
+    t.refresh_from_master(master, amax=group_amax)
     group_scale = hif8.current_scale(group_amax, HIF8_INPUT_MAX)
     assert torch.equal(t.scale, group_scale)
     assert torch.equal(t.qdata, hif8.quantize(master, group_scale))
@@ -84,27 +78,12 @@ def test_hif8_tensor_dense_refresh_quantizes_with_the_reduced_amax(make_weight):
 def test_hif8_tensor_grouped_refresh_keeps_per_expert_scales_local(make_weight):
     t = HiF8Tensor.from_high_precision(make_weight(2, 32, 32))
     master = make_weight(2, 32, 32, dtype=torch.float32)
-
-    def reduce_amax(amax):
-        raise AssertionError("per-expert scales of whole experts need no other shard")
-
-    t.refresh_from_master(master, reduce_amax=reduce_amax)
+    assert t.shared_scale_amax(master) is None  # per-expert scales of whole experts need no other shard
+    with pytest.raises(ValueError, match="per-expert scales"):
+        t.refresh_from_master(master, amax=torch.tensor(1.0))
+    t.refresh_from_master(master)
     fresh = HiF8Tensor.from_high_precision(master)
     assert torch.equal(t.qdata, fresh.qdata) and torch.equal(t.scale, fresh.scale)
-
-
-def test_hif8_tensor_from_high_precision_with_scale_and_quantizer(make_weight):
-    w = make_weight(32, 32)
-    t = HiF8Tensor.from_high_precision(w, HiF8Quantizer(224.0), scale=torch.tensor(0.5))
-    assert t.scale.item() == 0.5 and torch.equal(t.qdata, hif8.quantize(w, torch.tensor(0.5)))
-    assert HiF8Tensor.from_high_precision(w, HiF8Quantizer(224.0)).scale == hif8.current_scale(w.float().abs().amax(), 224.0)
-
-
-def test_hif8_tensor_dense_split_shares_the_scalar_scale(make_weight):
-    t = HiF8Tensor.from_high_precision(make_weight(96, 32))
-    chunks = torch.split(t, [40, 56])  # any row boundary is legal for HiF8
-    assert all(c.scale is t.scale for c in chunks)
-    assert torch.equal(torch.cat([c.qdata for c in chunks]), t.qdata)
 
 
 def test_hif8_tensor_grouped_split_moves_scale_with_experts(make_weight):
@@ -125,7 +104,7 @@ def test_hif8_refresh_reports_the_amax_its_scale_came_from(make_weight, shape):
     amax = _amax(master) * 3 if len(shape) == 2 else _amax(master)
     events = []
     with subscribe(events.append):
-        t.refresh_from_master(master, reduce_amax=lambda local: local * 3)
+        t.refresh_from_master(master, amax=amax if len(shape) == 2 else None)
     (event,) = [e for e in events if isinstance(e, QuantEvent)]
     assert event.format == Format.HIF8.value and event.shape == shape
     assert event.format_max == HIF8_INPUT_MAX and torch.equal(event.amax, amax)

@@ -52,17 +52,16 @@ def test_mxfp8_tensor_dequantize_equals_numerics_bitwise(make_weight, shape, dty
     assert torch.equal(got, want)
 
 
-def _never_called(amax):
-    raise AssertionError("an MX refresh has no amax to agree on across shards")
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_mxfp8_tensor_refresh_from_master_updates_in_place(make_weight, shape):
     t = MXFP8Tensor.from_high_precision(make_weight(*shape))
     ptrs = [x.data_ptr() for x in t._inner().values()]
     held = t.select("col")  # a reference held elsewhere (e.g. by a saved operand)
     master = make_weight(*shape, dtype=torch.float32)
-    t.refresh_from_master(master, reduce_amax=_never_called)  # MX scales never span shards
+    assert t.shared_scale_amax(master) is None  # MX scales never span shards
+    with pytest.raises(ValueError, match="no scale shared"):
+        t.refresh_from_master(master, amax=torch.tensor(1.0))
+    t.refresh_from_master(master)
     assert [x.data_ptr() for x in t._inner().values()] == ptrs
     fresh = MXFP8Tensor.from_high_precision(master)
     for name in t._inner_fields:
