@@ -86,6 +86,20 @@ def test_hif8_tensor_grouped_refresh_keeps_per_expert_scales_local(make_weight):
     assert torch.equal(t.qdata, fresh.qdata) and torch.equal(t.scale, fresh.scale)
 
 
+def test_hif8_tensor_from_high_precision_with_scale_and_quantizer(make_weight):
+    w = make_weight(32, 32)
+    t = HiF8Tensor.from_high_precision(w, HiF8Quantizer(224.0), scale=torch.tensor(0.5))
+    assert t.scale.item() == 0.5 and torch.equal(t.qdata, hif8.quantize(w, torch.tensor(0.5)))
+    assert HiF8Tensor.from_high_precision(w, HiF8Quantizer(224.0)).scale == hif8.current_scale(w.float().abs().amax(), 224.0)
+
+
+def test_hif8_tensor_dense_split_shares_the_scalar_scale(make_weight):
+    t = HiF8Tensor.from_high_precision(make_weight(96, 32))
+    chunks = torch.split(t, [40, 56])  # any row boundary is legal for HiF8
+    assert all(c.scale is t.scale for c in chunks)
+    assert torch.equal(torch.cat([c.qdata for c in chunks]), t.qdata)
+
+
 def test_hif8_tensor_grouped_split_moves_scale_with_experts(make_weight):
     t = HiF8Tensor.from_high_precision(make_weight(4, 32, 32))
     chunks = torch.chunk(t, 2)
