@@ -50,10 +50,7 @@ def _count_collectives(counter: Counter) -> None:
                 counter[_kind] += 1
                 return _original(*args, **kwargs)
 
-            setattr(dist, name, counted)
-            for module in (sys.modules.get("torch.distributed.distributed_c10d"),):
-                if module is not None and getattr(module, name, None) is original:
-                    setattr(module, name, counted)
+            setattr(dist, name, counted)  # FSDP2 and te_npu call them as ``dist.<name>``
 
 
 def worker(args) -> int:

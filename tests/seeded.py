@@ -39,3 +39,14 @@ def seeded_randn(seed: int) -> Callable[..., torch.Tensor]:
         return (torch.randn(*shape, generator=gen) * scale).to(dtype).requires_grad_(requires_grad)
 
     return randn
+
+
+def spread_values(gen: torch.Generator, octaves: int) -> Callable[..., torch.Tensor]:
+    """``make(*shape, dtype=bf16)``: normal values times ``2**U[-octaves, octaves)`` drawn from
+    ``gen``, so MX blocks and per-tensor amaxes see a spread of magnitudes (distinct scales)."""
+
+    def make(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        values = torch.randn(*shape, generator=gen)  # drawn before the exponents: the tests' inputs as before
+        return (values * torch.exp2(torch.randint(-octaves, octaves, shape, generator=gen).float())).to(dtype)
+
+    return make

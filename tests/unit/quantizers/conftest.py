@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from tests.seeded import spread_values
+
 
 @pytest.fixture
 def gen() -> torch.Generator:
@@ -11,9 +13,4 @@ def gen() -> torch.Generator:
 @pytest.fixture
 def spread(gen):
     """``spread(*shape, dtype=bf16)``: normal values times 2**U[-8, 8), so blocks get distinct scales."""
-
-    def make(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        values = torch.randn(*shape, generator=gen) * torch.exp2(torch.randint(-8, 8, shape, generator=gen).float())
-        return values.to(dtype)
-
-    return make
+    return spread_values(gen, octaves=8)

@@ -3,17 +3,13 @@ import pytest
 import torch
 
 from te_npu.tensor import HiF8Tensor, MXFP8Tensor
+from tests.seeded import spread_values
 
 
 @pytest.fixture
 def make_weight(gen):
-    """``make_weight(*shape)`` -> bf16 weight with a spread of magnitudes (distinct block scales)."""
-
-    def make(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        values = torch.randn(*shape, generator=gen) * torch.exp2(torch.randint(-6, 6, shape, generator=gen).float())
-        return values.to(dtype)
-
-    return make
+    """``make_weight(*shape)`` -> bf16 weight with a spread of magnitudes 2**U[-6, 6) (distinct block scales)."""
+    return spread_values(gen, octaves=6)
 
 
 # (id, class, shape): every weight kind the model holds.
