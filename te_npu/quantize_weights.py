@@ -18,7 +18,9 @@ def quantize_weights_(module: nn.Module, recipe: Recipe) -> nn.Module:
     ``requires_grad``): build optimizers / FSDP wrappers afterwards. Non-TE parameters (norms,
     embeddings, router) are untouched. Forward never re-quantizes these weights; they are
     refreshed from an FP32 master after each optimizer step (``te_npu.distributed.optim``).
-    Raises ``ValueError`` for a meta weight or one already quantized in another format.
+    A meta-built module gets meta quantized weights without values (for sharding before
+    allocation; ``MasterWeightOptimizer`` writes them from the masters). Raises ``ValueError``
+    for a weight already quantized in another format.
     """
     for submodule in module.modules():
         if isinstance(submodule, TEModule):

@@ -31,7 +31,7 @@ from te_npu.modules.forward_recipe import ForwardRecipes
 from te_npu.ops import require_low_precision
 from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
-from te_npu.tensor import QuantizedWeightTensor, attach_high_precision_init_val, quantize_weight
+from te_npu.tensor import QuantizedWeightTensor, attach_high_precision_init_val, empty_quantized_weight, quantize_weight
 
 __all__ = ["TEModule", "assign_fqns"]
 
@@ -100,7 +100,9 @@ class TEModule(nn.Module):
         """Replace every high-precision GEMM weight by a quantized parameter of ``recipe``.
 
         The new parameter is a different object (build optimizers afterwards); a weight that
-        is already quantized in ``recipe``'s format is kept, one in another format raises.
+        is already quantized in ``recipe``'s format is kept, one in another format raises. A
+        meta weight becomes a meta quantized weight with no values (shard it, ``to_empty`` it,
+        then write it with ``refresh_from_master``: ``MasterWeightOptimizer``'s initialisation).
         ``preserve_high_precision_init_val``: keep the high-precision value on the CPU behind
         ``param.get_high_precision_init_val()`` / ``clear_high_precision_init_val()`` (TE's API).
         """
@@ -111,10 +113,10 @@ class TEModule(nn.Module):
                     raise ValueError(f"{self.te_name}.{name}: already quantized as {weight.format.value}, "
                                      f"cannot convert to {recipe.format.value} (load the high-precision weights)")
                 continue
-            if weight.is_meta:
-                raise ValueError(f"{self.te_name}.{name}: cannot quantize a meta weight; materialize and "
-                                 "initialise it first, then call te_npu.quantize_weights_(model, recipe)")
-            quantized = nn.Parameter(quantize_weight(weight.detach(), recipe), requires_grad=weight.requires_grad)
+            if weight.is_meta and preserve_high_precision_init_val:
+                raise ValueError(f"{self.te_name}.{name}: a meta weight has no high-precision value to preserve")
+            make = empty_quantized_weight if weight.is_meta else quantize_weight
+            quantized = nn.Parameter(make(weight.detach(), recipe), requires_grad=weight.requires_grad)
             if preserve_high_precision_init_val:
                 attach_high_precision_init_val(quantized, weight.detach().cpu())
             setattr(self, name, quantized)

@@ -4,7 +4,7 @@ from te_npu.tensor.weight import QuantizedWeightTensor, ShardAlignment, attach_h
 from te_npu.tensor.weight_ops import QuantizedWeightUpdateWarning  # registers the PyTorch-interop handlers
 from te_npu.tensor.mxfp8_tensor import MXFP8Tensor
 from te_npu.tensor.hif8_tensor import HiF8Tensor
-from te_npu.tensor.factory import WEIGHT_TENSOR_BY_FORMAT, quantize_weight
+from te_npu.tensor.factory import WEIGHT_TENSOR_BY_FORMAT, empty_quantized_weight, quantize_weight, weight_class
 
 __all__ = [
     "QuantizedOperand",
@@ -16,4 +16,6 @@ __all__ = [
     "HiF8Tensor",
     "WEIGHT_TENSOR_BY_FORMAT",
     "quantize_weight",
+    "empty_quantized_weight",
+    "weight_class",
 ]

@@ -41,7 +41,8 @@ class HiF8Tensor(QuantizedWeightTensor):
     quantizer_type: ClassVar[type] = HiF8Quantizer
     format: ClassVar[Format] = Format.HIF8
     shard_alignment: ClassVar[ShardAlignment] = ShardAlignment(
-        rows=1, reason="any row: one scale per tensor (agreed across shards) or per whole expert"
+        rows=1, reason="any row: one scale per tensor (agreed across shards) or per whole expert",
+        cols=1, cols_reason="any column of a 2D weight: its one scalar scale is shared by every shard",
     )
 
     qdata: torch.Tensor
@@ -66,6 +67,13 @@ class HiF8Tensor(QuantizedWeightTensor):
         operand = _quantize(quantizer, w.detach(), scale)
         inner = {"qdata": operand.data, "scale": operand.scale.to(torch.float32).clone()}
         return cls._make(inner, shape=w.shape, logical_dtype=w.dtype, quantizer=quantizer, requires_grad=requires_grad)
+
+    @classmethod
+    def _inner_layout(cls, shape: tuple[int, ...], quantizer: HiF8Quantizer) -> dict:
+        """Codes ``uint8`` of the weight's shape and an FP32 scale ``[]`` (2D) or ``[E]`` (3D)."""
+        if len(shape) not in (2, 3):
+            raise ValueError(f"HiF8Tensor: expected a 2D [N, K] or 3D [E, N, K] weight, got shape {list(shape)}")
+        return {"qdata": (tuple(shape), torch.uint8), "scale": (tuple(shape[:1]) if len(shape) == 3 else (), torch.float32)}
 
     def _check_inner(self) -> None:
         shape = list(self.weight_shape)
@@ -138,11 +146,15 @@ class HiF8Tensor(QuantizedWeightTensor):
         shape = [stop - start] + list(self.shape[1:])
         return self._rewrap({"qdata": self.qdata[start:stop], "scale": scale}, shape)
 
-    def _zeros_like_rows(self, rows: int) -> "HiF8Tensor":
+    def _slice_last(self, start: int, stop: int) -> "HiF8Tensor":
+        # 2D only: the columns of the codes, sharing the one scalar scale (a view, like the data)
+        return self._rewrap({"qdata": self.qdata[:, start:stop], "scale": self.scale}, [self.shape[0], stop - start])
+
+    def _fill_zero_(self) -> None:
         # Equal to quantizing zeros: code 0x00 and the current scale of an all-zero tensor (1.0).
-        qdata = self.qdata.new_zeros([rows] + list(self.qdata.shape[1:]))
-        scale = self.scale.new_ones([rows] if self.dim() == 3 else [])
-        return self._rewrap({"qdata": qdata, "scale": scale}, [rows] + list(self.shape[1:]))
+        with torch.no_grad():
+            self.qdata.zero_()
+            self.scale.fill_(1.0)
 
 
 def _quantize(quantizer: HiF8Quantizer, w: torch.Tensor, scale: torch.Tensor | None,

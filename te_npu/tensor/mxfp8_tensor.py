@@ -22,6 +22,12 @@ refreshes its shard with the NPU quantization kernels, which return col scales i
 weight's, no half pair is padded and stripped, and ``copy_canonical_scale_`` writes them in one
 copy. The stored canonical layout alone would allow any 32-row boundary (numerically the
 same weight); 64 is the spec's rule and the kernels' granularity.
+
+A 2D weight may instead be sharded along K (FSDP2 ``Shard(1)``, for ``N`` that no world size
+divides into pairs, e.g. ``kv_a_proj_with_mqa [3136, 2048]``): every inner tensor is then cut
+along its last dim (``row_scale`` at ``K_local / 32`` codes), the local ``K_local`` a multiple of
+64 -- whole pairs of the row scale's kernel layout ``[N, K/64, 2]`` -- so each rank refreshes
+exactly the full weight's blocks of its columns.
 """
 from __future__ import annotations
 
@@ -50,7 +56,8 @@ class MXFP8Tensor(QuantizedWeightTensor):
     quantizer_type: ClassVar[type] = MXFP8Quantizer
     format: ClassVar[Format] = Format.MXFP8_E4M3
     shard_alignment: ClassVar[ShardAlignment] = ShardAlignment(
-        rows=PAIR, reason="whole pairs of 32-row scale blocks, the NPU kernels' scale layout (spec 9.1)"
+        rows=PAIR, reason="whole pairs of 32-row scale blocks, the NPU kernels' scale layout (spec 9.1)",
+        cols=PAIR, cols_reason="whole pairs of 32-column row-scale blocks, the NPU kernels' [N, K/64, 2] layout",
     )
 
     row_data: torch.Tensor
@@ -76,18 +83,22 @@ class MXFP8Tensor(QuantizedWeightTensor):
         inner = {"row_data": row.data, "row_scale": row.scale, "col_data": col.data, "col_scale": col.scale}
         return cls._make(inner, shape=w.shape, logical_dtype=w.dtype, quantizer=quantizer, requires_grad=requires_grad)
 
-    def _check_inner(self) -> None:
-        shape = list(self.weight_shape)
-        block = self._quantizer.block_size
+    @classmethod
+    def _inner_layout(cls, shape: tuple[int, ...], quantizer: MXFP8Quantizer) -> dict:
+        """Row / col data ``[..., N, K]`` E4M3 and E8M0 codes ``[..., N, K/32]`` / ``[..., N/32, K]``."""
+        shape, block = list(shape), quantizer.block_size
         if len(shape) not in (2, 3) or shape[-1] % block or shape[-2] % block:
             raise ValueError(f"MXFP8Tensor: weight shape {shape} must be [..., N, K] with N, K multiples of {block}")
-        expected = {
-            "row_data": (shape, _E4M3),
-            "row_scale": (shape[:-1] + [shape[-1] // block], _E8M0_CODES),
-            "col_data": (shape, _E4M3),
-            "col_scale": (shape[:-2] + [shape[-2] // block, shape[-1]], _E8M0_CODES),
+        return {
+            "row_data": (tuple(shape), _E4M3),
+            "row_scale": (tuple(shape[:-1] + [shape[-1] // block]), _E8M0_CODES),
+            "col_data": (tuple(shape), _E4M3),
+            "col_scale": (tuple(shape[:-2] + [shape[-2] // block, shape[-1]]), _E8M0_CODES),
         }
-        for name, (want_shape, want_dtype) in expected.items():
+
+    def _check_inner(self) -> None:
+        for name, (want_shape, want_dtype) in self._inner_layout(tuple(self.weight_shape), self._quantizer).items():
+            want_shape = list(want_shape)
             t = getattr(self, name)
             if list(t.shape) != want_shape or t.dtype != want_dtype:
                 raise ValueError(
@@ -158,16 +169,24 @@ class MXFP8Tensor(QuantizedWeightTensor):
         }
         return self._rewrap(inner, [stop - start] + shape[1:])
 
-    def _zeros_like_rows(self, rows: int) -> "MXFP8Tensor":
-        shape = [rows] + list(self.shape[1:])
+    def _slice_last(self, start: int, stop: int) -> "MXFP8Tensor":
         block = self._quantizer.block_size
-        if self.dim() == 2 and rows % block:
-            raise ValueError(f"MXFP8Tensor {list(self.shape)}: cannot make {rows} rows, not a multiple of {block}")
-        scale_rows = rows if self.dim() == 3 else rows // block
+        for boundary in (start, stop):
+            if boundary % block:
+                raise ValueError(
+                    f"MXFP8Tensor {list(self.shape)}: dim-1 boundary {boundary} is not a multiple of {block}; "
+                    "row_scale holds one code per 32 columns, so K shards must start and end on 32-column blocks"
+                )
         inner = {
-            "row_data": self.row_data.new_zeros([rows] + list(self.row_data.shape[1:])),
-            "row_scale": self.row_scale.new_zeros([rows] + list(self.row_scale.shape[1:])),
-            "col_data": self.col_data.new_zeros([rows] + list(self.col_data.shape[1:])),
-            "col_scale": self.col_scale.new_zeros([scale_rows] + list(self.col_scale.shape[1:])),
+            "row_data": self.row_data[:, start:stop],
+            "row_scale": self.row_scale[:, start // block : stop // block],
+            "col_data": self.col_data[:, start:stop],
+            "col_scale": self.col_scale[:, start:stop],
         }
-        return self._rewrap(inner, shape)
+        return self._rewrap(inner, [self.shape[0], stop - start])
+
+    def _fill_zero_(self) -> None:
+        # quantizing zeros: E4M3 code 0 everywhere, and a zero block's E8M0 code is 0
+        with torch.no_grad():
+            for name in self._inner_fields:
+                getattr(self, name).zero_()

@@ -20,13 +20,18 @@ Pickling (``torch.save``) goes through one rebuild function, registered with
 quantized state dicts; nothing else is allowlisted (the class is named by its format, the
 quantizer by its fields).
 
-Dim-0 slicing is format specific (which inner tensors follow the rows, and where a legal
-boundary lies); subclasses implement ``_slice_dim0`` and ``_zeros_like_rows`` and the
-shared handlers below build every split / slice / pad from those two.
+Slicing is format specific (which inner tensors follow the rows or the columns, and where a
+legal boundary lies); subclasses implement ``_slice_dim0`` (dim 0), ``_slice_last`` (the last
+dim of a 2D weight, FSDP2's ``Shard(1)``) and ``_inner_layout`` (the inner tensors' shapes and
+dtypes for a weight shape), and the shared handlers below build every split / slice / pad /
+empty tensor from those. ``empty`` builds a weight with uninitialised inner tensors (on the
+meta device: FSDP2 can shard it before anything is allocated; its values come from the first
+``refresh_from_master``).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Callable, ClassVar
@@ -45,16 +50,40 @@ Handler = Callable[[Any, tuple, dict], Any]
 
 @dataclass(frozen=True)
 class ShardAlignment:
-    """Where an FSDP2 dim-0 shard of a weight class may begin and end.
+    """Where an FSDP2 shard of a weight class may begin and end.
 
-    rows: every shard holds a multiple of this many rows of the weight's flattened ``[-1, K]``
+    rows: a dim-0 shard holds a multiple of this many rows of the weight's flattened ``[-1, K]``
     view (dense ``[N, K]``: ``N_local``; grouped ``[E, N, K]``: ``E_local * N``); 1 means any
     row. (Dim 0 itself is always split into equal parts, so a grouped weight is always split
     between whole experts.) reason: why, for the error naming a parameter that breaks it.
+    cols: a shard along the last dim of a 2D weight (FSDP2 ``Shard(1)``, over K) holds a
+    multiple of this many columns; None: the class cannot be sharded there. cols_reason: why.
     """
 
     rows: int
     reason: str
+    cols: int | None = None
+    cols_reason: str = ""
+
+    def violation(self, shape: tuple[int, ...] | torch.Size, dim: int, world_size: int) -> str | None:
+        """Why a ``shape`` weight cannot be split into ``world_size`` equal shards along ``dim``
+        (0, or the last dim of a 2D weight) under this alignment, or None."""
+        shape = list(shape)
+        if dim == 0:
+            rows_local = shape[0] // world_size
+            flat_rows = rows_local * math.prod(shape[1:-1])
+            if flat_rows % self.rows:
+                what = f"(E_local={rows_local}) * D1={shape[1]}" if len(shape) == 3 else f"N_local={rows_local}"
+                return f"local rows {what} = {flat_rows} is not a multiple of {self.rows} ({self.reason})"
+            return None
+        if len(shape) != 2 or dim != 1:
+            return f"dim {dim} of a {len(shape)}D weight is not a shard dim (dim 0, or dim 1 of a 2D weight)"
+        if self.cols is None:
+            return f"not shardable along K ({self.cols_reason})"
+        cols_local = shape[1] // world_size
+        if cols_local % self.cols:
+            return f"local columns K_local={cols_local} is not a multiple of {self.cols} ({self.cols_reason})"
+        return None
 
 
 def implements(table: dict, *ops: Any) -> Callable[[Handler], Handler]:
@@ -77,8 +106,9 @@ class QuantizedWeightTensor(torch.Tensor):
     - ``shard_alignment``: the ``ShardAlignment`` FSDP2 shards must keep;
     - ``_handlers``: their own aten table (format-specific entries; looked up before the
       base table along the MRO);
-    - ``_slice_dim0(start, stop)`` / ``_zeros_like_rows(rows)`` / ``_requantize_(hp)``,
-      ``select``, ``dequantize``, ``refresh_from_master``, ``from_high_precision``.
+    - ``_inner_layout(shape, quantizer)``, ``_fill_zero_(self)``, ``_slice_dim0(start, stop)``,
+      ``_slice_last(start, stop)`` (2D only), ``_requantize_(hp)``, ``select``, ``dequantize``,
+      ``refresh_from_master``, ``from_high_precision``.
 
     ``_quantizer`` (a frozen quantizer, not a tensor) travels in the flatten context, so every
     derived tensor (split, clone, copy) re-quantizes exactly as the original did.
@@ -118,6 +148,24 @@ class QuantizedWeightTensor(torch.Tensor):
             raise ValueError(f"{cls.__name__}: logical shape {list(shape)} does not match inner shape {weight_shape}")
         self._check_inner()
         return self
+
+    @classmethod
+    def empty(
+        cls,
+        shape: torch.Size | tuple[int, ...],
+        *,
+        logical_dtype: torch.dtype,
+        quantizer: Any,
+        device: torch.device | str | None = None,
+        requires_grad: bool = False,
+    ) -> "QuantizedWeightTensor":
+        """A weight of logical ``shape`` whose inner tensors are allocated but not written (on
+        ``meta``: not allocated at all). Its values come from ``refresh_from_master``: how a model
+        built on the meta device gets 8-bit weights that FSDP2 shards before any memory exists."""
+        inner = {name: torch.empty(inner_shape, dtype=dtype, device=device)
+                 for name, (inner_shape, dtype) in cls._inner_layout(tuple(shape), quantizer).items()}
+        return cls._make(inner, shape=shape, logical_dtype=logical_dtype, quantizer=quantizer,
+                         requires_grad=requires_grad)
 
     @property
     def weight_shape(self) -> torch.Size:
@@ -181,13 +229,46 @@ class QuantizedWeightTensor(torch.Tensor):
 
     # ---- subclass hooks -------------------------------------------------------------------------
 
+    @classmethod
+    def _inner_layout(cls, shape: tuple[int, ...], quantizer: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{inner field: (shape, dtype)}`` of a weight of logical ``shape`` (``_inner_fields`` order)."""
+        raise NotImplementedError
+
+    def _fill_zero_(self) -> None:
+        """Write, in place, the payload of quantizing zeros."""
+        raise NotImplementedError
+
     def _slice_dim0(self, start: int, stop: int) -> "QuantizedWeightTensor":
         """Rows ``[start, stop)`` along dim 0 as a view of the same storage."""
         raise NotImplementedError
 
+    def _slice_last(self, start: int, stop: int) -> "QuantizedWeightTensor":
+        """Columns ``[start, stop)`` of a 2D weight ``[N, K]`` (along K) as a view of the same storage."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be sliced along its last dim")
+
+    def _slice(self, dim: int, start: int, stop: int) -> "QuantizedWeightTensor":
+        """``[start, stop)`` along ``dim``: dim 0, or the last dim of a 2D weight."""
+        dim %= self.dim()
+        if dim == 0:
+            return self._slice_dim0(start, stop)
+        if self.dim() == 2 and dim == 1:
+            return self._slice_last(start, stop)
+        raise NotImplementedError(
+            f"{type(self).__name__} {list(self.shape)} cannot be sliced along dim {dim}; only dim 0 "
+            "(and dim 1 of a 2D weight) are supported"
+        )
+
+    def _zeros(self, shape: tuple[int, ...] | list[int], device: torch.device | str | None = None
+               ) -> "QuantizedWeightTensor":
+        """A new weight of ``shape`` (same class, quantizer, logical dtype), equal to quantizing zeros."""
+        out = type(self).empty(tuple(shape), logical_dtype=self.dtype, quantizer=self._quantizer,
+                               device=self.device if device is None else device)
+        out._fill_zero_()
+        return out
+
     def _zeros_like_rows(self, rows: int) -> "QuantizedWeightTensor":
         """A new tensor with ``rows`` along dim 0, equal to quantizing zeros."""
-        raise NotImplementedError
+        return self._zeros([rows, *self.shape[1:]])
 
     def _requantize_(self, high_precision: torch.Tensor) -> None:
         """Quantize ``high_precision`` (same shape) and copy into the existing storage."""
@@ -316,9 +397,14 @@ def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def _dim0(dim: int, ndim: int, func: Any, cls_name: str) -> None:
-    if dim % ndim != 0:
-        raise NotImplementedError(f"{cls_name} does not support {func} along dim {dim}; only dim 0 is supported")
+def _slice_dim(dim: int, ndim: int, func: Any, cls_name: str) -> int:
+    """``dim`` normalised; dim 0, or dim 1 of a 2D weight (FSDP2 ``Shard(0)`` / ``Shard(1)``)."""
+    dim %= ndim
+    if dim != 0 and not (ndim == 2 and dim == 1):
+        raise NotImplementedError(
+            f"{cls_name} does not support {func} along dim {dim}; only dim 0 (and dim 1 of a 2D weight) are supported"
+        )
+    return dim
 
 
 @implements(_table, aten.detach.default, aten.alias.default)
@@ -361,70 +447,70 @@ def _as_strided(func, args, kwargs):
 
 @implements(_table, aten.split.Tensor)
 def _split(func, args, kwargs):
-    # torch.chunk / torch.split along dim 0: FSDP2 _chunk_with_empty when sharding.
+    # torch.chunk / torch.split along dim 0 or dim 1 of a 2D weight: FSDP2 _chunk_with_empty
+    # when sharding with Shard(0) / Shard(1).
     call = _bind(func, args, kwargs)
     self, split_size, dim = call["self"], call["split_size"], call["dim"]
     self._require_weight_shape(func)
-    _dim0(dim, self.dim(), func, type(self).__name__)
-    rows = self.shape[0]
-    return [self._slice_dim0(s, min(s + split_size, rows)) for s in range(0, rows, split_size)] or [
-        self._slice_dim0(0, 0)
+    dim = _slice_dim(dim, self.dim(), func, type(self).__name__)
+    length = self.shape[dim]
+    return [self._slice(dim, s, min(s + split_size, length)) for s in range(0, length, split_size)] or [
+        self._slice(dim, 0, 0)
     ]
 
 
 @implements(_table, aten.split_with_sizes.default)
 def _split_with_sizes(func, args, kwargs):
-    # torch.split(t, [sizes]) along dim 0: FSDP2 uneven chunking, user code.
+    # torch.split(t, [sizes]) along dim 0 (or dim 1 of a 2D weight): FSDP2 uneven chunking, user code.
     call = _bind(func, args, kwargs)
     self, sizes, dim = call["self"], list(call["split_sizes"]), call["dim"]
     self._require_weight_shape(func)
-    _dim0(dim, self.dim(), func, type(self).__name__)
-    if sum(sizes) != self.shape[0]:
-        raise ValueError(f"split sizes {sizes} do not sum to dim 0 = {self.shape[0]} of {list(self.shape)}")
+    dim = _slice_dim(dim, self.dim(), func, type(self).__name__)
+    if sum(sizes) != self.shape[dim]:
+        raise ValueError(f"split sizes {sizes} do not sum to dim {dim} = {self.shape[dim]} of {list(self.shape)}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [self._slice_dim0(s, s + n) for s, n in zip(starts, sizes)]
+    return [self._slice(dim, s, s + n) for s, n in zip(starts, sizes)]
 
 
 @implements(_table, aten.slice.Tensor)
 def _slice(func, args, kwargs):
-    # t.narrow(0, start, length) / t[a:b]: FSDP2 copies a shard into its padded buffer.
+    # t.narrow(dim, start, length) / t[a:b]: FSDP2 copies a shard into its padded buffer.
     call = _bind(func, args, kwargs)
     self, dim, start, end, step = (call[k] for k in ("self", "dim", "start", "end", "step"))
     self._require_weight_shape(func)
-    _dim0(dim, self.dim(), func, type(self).__name__)
+    dim = _slice_dim(dim, self.dim(), func, type(self).__name__)
     if step != 1:
         raise NotImplementedError(f"{type(self).__name__} does not support {func} with step {step}")
-    rows = self.shape[0]
-    start, stop = slice(start, end).indices(rows)[:2]
-    return self._slice_dim0(start, max(start, stop))
+    start, stop = slice(start, end).indices(self.shape[dim])[:2]
+    return self._slice(dim, start, max(start, stop))
 
 
 @implements(_table, aten.new_zeros.default)
 def _new_zeros(func, args, kwargs):
-    # FSDP2 pads the local shard into param.new_zeros(padded_sharded_size); only dim 0 may change.
+    # FSDP2 pads the local shard into param.new_zeros(padded_sharded_size): same rank, any
+    # sizes the class can hold (a dim-0 shard's rows, a Shard(1) shard's columns).
     self, size = args[0], list(args[1])
     dtype = kwargs.get("dtype")
     if dtype is not None and dtype != self.dtype:
         raise NotImplementedError(f"{type(self).__name__} does not support {func} with dtype {dtype}")
-    if len(size) != self.dim() or size[1:] != list(self.shape[1:]):
+    if len(size) != self.dim():
         raise NotImplementedError(
-            f"{type(self).__name__} does not support {func} to {size}: only dim 0 of {list(self.shape)} may change"
+            f"{type(self).__name__} does not support {func} to {size}: a {self.dim()}D weight stays {self.dim()}D"
         )
     self._require_weight_shape(func)
-    out = self._zeros_like_rows(size[0])
-    device = kwargs.get("device")
-    return out if device is None or torch.device(device) == out.device else out._map_inner(lambda t: t.to(device))
+    return self._zeros(size, kwargs.get("device"))
 
 
 @implements(_table, aten.empty_like.default)
 def _empty_like(func, args, kwargs):
-    # torch.empty_like(param): optimizer / checkpoint helpers; zero-filled for determinism.
+    # torch.empty_like(param[, device=]): optimizer / checkpoint helpers and nn.Module.to_empty
+    # (a meta-built, FSDP2-sharded weight allocated on its device); zero-filled for determinism.
     self = args[0]
     dtype = kwargs.get("dtype")
     if dtype is not None and dtype != self.dtype:
         raise NotImplementedError(f"{type(self).__name__} does not support {func} with dtype {dtype}")
     self._require_weight_shape(func)
-    return self._zeros_like_rows(self.shape[0])
+    return self._zeros(list(self.shape), kwargs.get("device"))
 
 
 @implements(_table, aten.copy_.default)
@@ -481,9 +567,7 @@ def _zero_(func, args, kwargs):
     # module.zero_() style re-initialisation: the weight becomes quantize(zeros) in place.
     self = args[0]
     self._require_weight_shape(func)
-    zeros = self._zeros_like_rows(self.shape[0])
-    for name in self._inner_fields:
-        getattr(self, name).copy_(getattr(zeros, name))
+    self._fill_zero_()
     return self
 
 

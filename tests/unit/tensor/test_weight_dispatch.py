@@ -28,11 +28,74 @@ def test_weight_new_zeros_equals_quantized_zeros(weight_kind, make_weight, asser
     assert_same_payload(z, cls.from_high_precision(torch.zeros(padded_shape, dtype=torch.bfloat16)))
 
 
-def test_weight_new_zeros_rejects_other_trailing_dims(weight_kind, make_weight):
+def test_weight_new_zeros_of_other_trailing_dims_equals_quantized_zeros(weight_kind, make_weight, assert_same_payload):
+    """FSDP2 pads a Shard(1) shard with new_zeros of the shard's [N, K_local]: any shape of the rank."""
     cls, shape = weight_kind
     t = cls.from_high_precision(make_weight(*shape))
+    other = (shape[0], *[d * 2 for d in shape[1:]])
+    assert_same_payload(t.new_zeros(other), cls.from_high_precision(torch.zeros(other, dtype=torch.bfloat16)))
+
+
+def test_weight_new_zeros_rejects_another_rank(weight_kind, make_weight):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    with pytest.raises(NotImplementedError, match="stays"):
+        t.new_zeros((2, *shape))
+
+
+def test_weight_empty_on_meta_has_the_inner_layout_and_allocates_nothing(weight_kind, make_weight):
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    meta = cls.empty(shape, logical_dtype=torch.bfloat16, quantizer=t.quantizer, device="meta")
+    assert meta.is_meta and meta.shape == t.shape and meta.dtype == t.dtype
+    for name in cls.inner_field_names():
+        got, want = getattr(meta, name), getattr(t, name)
+        assert got.is_meta and got.shape == want.shape and got.dtype == want.dtype, name
+
+
+def test_weight_to_empty_from_meta_gives_zeroed_weight_on_device(weight_kind, make_weight, assert_same_payload):
+    """nn.Module.to_empty sends empty_like(t, device=...) for a meta-built weight."""
+    cls, shape = weight_kind
+    t = cls.from_high_precision(make_weight(*shape))
+    meta = cls.empty(shape, logical_dtype=torch.bfloat16, quantizer=t.quantizer, device="meta")
+    real = torch.empty_like(meta, device="cpu")
+    assert type(real) is cls and real.device.type == "cpu"
+    assert_same_payload(real, cls.from_high_precision(torch.zeros(shape, dtype=torch.bfloat16)))
+
+
+def test_weight_dim1_split_then_cat_restores_inner_tensors(make_weight, inner_bits):
+    """FSDP2 Shard(1) of a 2D weight: every inner tensor is cut along its last dim (MXFP8 row_scale at
+    K_local / 32 codes; HiF8's scalar scale shared)."""
+    for cls in (MXFP8Tensor, HiF8Tensor):
+        t = cls.from_high_precision(make_weight(96, 256))
+        chunks = torch.chunk(t, 4, dim=1)
+        assert all(list(c.shape) == [96, 64] for c in chunks)
+        for name, whole in inner_bits(t).items():
+            parts = [inner_bits(c)[name] for c in chunks]
+            if whole.dim() == 0:
+                assert all(torch.equal(p, whole) for p in parts)
+            else:
+                assert torch.equal(torch.cat(parts, dim=-1), whole), (cls.__name__, name)
+
+
+def test_weight_dim1_slice_of_a_shard_equals_quantizing_its_columns(make_weight, assert_same_payload):
+    """MXFP8 blocks along K lie inside a 32-aligned column range, so a K shard's payload is the
+    full weight's for those columns: quantizing the columns alone gives the same bytes."""
+    w = make_weight(96, 256)
+    t = MXFP8Tensor.from_high_precision(w)
+    assert_same_payload(t[:, 64:128], MXFP8Tensor.from_high_precision(w[:, 64:128].contiguous()))
+
+
+def test_mxfp8_dim1_slice_refuses_a_boundary_inside_a_block(make_weight):
+    t = MXFP8Tensor.from_high_precision(make_weight(64, 128))
+    with pytest.raises(ValueError, match="32-column blocks"):
+        t.narrow(1, 16, 32)
+
+
+def test_weight_3d_refuses_slicing_along_k(make_weight):
+    t = MXFP8Tensor.from_high_precision(make_weight(2, 64, 64))
     with pytest.raises(NotImplementedError, match="only dim 0"):
-        t.new_zeros((shape[0], *[d * 2 for d in shape[1:]]))
+        torch.chunk(t, 2, dim=2)
 
 
 def test_weight_fsdp2_shard_sequence_keeps_payload(weight_kind, make_weight, assert_same_payload):
@@ -49,6 +112,18 @@ def test_weight_fsdp2_shard_sequence_keeps_payload(weight_kind, make_weight, ass
     assert flat.view(padded.shape).shape == padded.shape
     with pytest.raises(NotImplementedError, match="flat view"):
         flat.select("row")
+
+
+def test_weight_fsdp2_dim1_shard_sequence_keeps_payload(make_weight, assert_same_payload):
+    """FSDP2 _init_sharded_param with Shard(1) on rank 1 of 4: chunk dim 1, pad with new_zeros,
+    narrow(1, ...) + copy_, view(-1)."""
+    for cls in (MXFP8Tensor, HiF8Tensor):
+        t = cls.from_high_precision(make_weight(64, 256))
+        chunks = _chunk_with_empty(t, 4, dim=1)
+        padded = t.new_zeros(chunks[0].size())
+        padded.narrow(1, 0, chunks[1].size(1)).copy_(chunks[1])
+        assert type(padded.view(-1)) is cls
+        assert_same_payload(padded.narrow(1, 0, chunks[1].size(1)), chunks[1])
 
 
 def test_weight_copy_from_same_class_copies_inner_in_place(weight_kind, make_weight, assert_same_payload):
@@ -118,7 +193,8 @@ def test_weight_dtype_cast_returns_dequantized_plain_tensor(weight_kind, make_we
         pytest.param(lambda t: t.exp(), r"aten\.exp\.default", id="exp"),
         pytest.param(lambda t: t.t() if t.dim() == 2 else t.transpose(1, 2), r"aten\.(t\.default|transpose\.int)", id="transpose"),
         pytest.param(lambda t: t.reshape(-1, 8), r"aten\.view\.default", id="reshape"),
-        pytest.param(lambda t: torch.split(t, 16, dim=1), "along dim 1", id="split_dim1"),
+        pytest.param(lambda t: torch.split(t.unsqueeze(0) if t.dim() == 2 else t, 16, dim=-1), r"(along dim 2|unsqueeze)",
+                     id="split_along_k_of_3d"),
         pytest.param(lambda t: t.masked_fill_(torch.ones(t.shape, dtype=torch.bool), 0), r"aten\.masked_fill_",
                      id="masked_fill_"),
         pytest.param(lambda t: torch.cat([t, t], dim=1), r"aten\.cat\.default", id="cat"),
