@@ -16,7 +16,14 @@ private name                                               used for
 ``torch._grouped_mm``                                      high-precision grouped GEMM (the BF16 path)
 ``torch.utils._pytree.tree_map``                           map over an aten call's nested arguments
 ``torch._dynamo.config`` recompile limits                  compiled codecs: one graph per shape
-``torch.utils._python_dispatch.TorchDispatchMode``          the host-sync counter (``te_npu.testing``)
+``torch.utils._python_dispatch.TorchDispatchMode``          the host-sync counter (``te_npu.testing``),
+                                                           the capacity estimate's memory tracker
+``torch.utils._python_dispatch``
+``.is_traceable_wrapper_subclass``                         the storages behind a DTensor / quantized weight
+``torch._subclasses.fake_tensor.FakeTensorMode``           the capacity estimate: tensors without memory
+``torch._subclasses.fake_tensor.is_fake``                  a tensor without values (MoE routing counts)
+``torch._subclasses.fake_tensor.unset_fake_temporarily``   DTensor shard offsets inside the estimate
+``torch.testing._internal.distributed.fake_pg.FakeStore``  its fake process group (registers "fake")
 ``torch.distributed.distributed_c10d._get_default_store``  the job's store (cross-rank failure flags)
 ``torch.distributed.checkpoint._consolidate_hf_safetensors``
 ``._consolidate_safetensors_files``                        HF safetensors export, one file at a time
@@ -25,15 +32,18 @@ private name                                               used for
 ``torch.distributed.tensor._utils``
 ``.compute_local_shape_and_global_offset``                 a DTensor shard's region in the full tensor
 ``nn.Module._non_persistent_buffers_set``                  which buffers a state dict leaves out
+``Tensor._version``                                        has a tensor been written since (a cached
+                                                           gather of a K-sharded weight's scales)
 ``torch.distributed._composable_state._module_state_mapping``
                                                            the FSDP2 unit that manages a parameter
-FSDP2 ``FSDPState._fsdp_param_groups`` (older torch:       its parameter groups
-``_fsdp_param_group``), ``FSDPParamGroup.fsdp_params`` /
-``._training_state`` (``_fsdp_common.TrainingState``),
+FSDP2 ``FSDPState._fsdp_param_groups`` (older torch:       its parameter groups and their reshard
+``_fsdp_param_group``), ``FSDPParamGroup.fsdp_params`` /   setting (``set_reshard_after_forward``
+``._training_state`` (``_fsdp_common.TrainingState``),     changes the group's only)
+``.post_forward_mesh_info``,
 ``FSDPParam._sharded_local_tensor`` / ``._param_fqn`` /    one parameter's shard, name, reshard
-``.post_forward_mesh_info`` / ``.all_gather_outputs`` /    setting and all-gather buffers (a gather
-``._unsharded_inner_tensors``                              extension that changes its tensors between
-                                                           phases re-sizes them)
+``.fsdp_placement`` /                                      shard dim and all-gather buffers
+``.all_gather_outputs`` / ``._unsharded_inner_tensors``    (a gather extension that changes its
+                                                           tensors between phases re-sizes them)
 =========================================================  =========================================
 """
 from __future__ import annotations
@@ -57,11 +67,16 @@ __all__ = [
     "tree_map",
     "raise_dynamo_recompile_limits",
     "torch_dispatch_mode",
+    "is_wrapper_subclass",
+    "holds_no_data",
+    "fake_tensor_mode",
+    "init_fake_process_group",
     "default_store",
     "consolidate_safetensors_files",
     "local_tensor",
     "local_shape_and_global_offset",
     "non_persistent_buffer_names",
+    "version_counter",
     "FSDPParamInfo",
     "fsdp_param_info",
     "fit_all_gather_outputs",
@@ -79,6 +94,11 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.utils._pytree", "tree_map"),
     ("torch._dynamo.config", "recompile_limit"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch._subclasses.fake_tensor", "is_fake"),
+    ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     ("torch._dynamo.config", "accumulated_recompile_limit"),
     ("torch.distributed.distributed_c10d", "_get_default_store"),
     ("torch.distributed.checkpoint._consolidate_hf_safetensors", "_consolidate_safetensors_files"),
@@ -160,6 +180,39 @@ def torch_dispatch_mode() -> type:
     return TorchDispatchMode
 
 
+def is_wrapper_subclass(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a wrapper tensor subclass with ``__tensor_flatten__`` (DTensor, a
+    quantized weight): its storage is its inner tensors'."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t)
+
+
+def holds_no_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no values to read: a meta tensor or a ``FakeTensor``."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
+
+
+def fake_tensor_mode():
+    """A ``FakeTensorMode`` in which factories and ops make tensors with shapes, dtypes and
+    devices but no memory; real tensors entering it are converted (the data pipeline's batches)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """The default process group as torch's fake one: this process plays ``rank`` of
+    ``world_size``, every collective returns at once and moves no data (torchtitan's and
+    torch's memory estimates run FSDP2 on it)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
 def default_store():
     """The default process group's ``Store`` (torchrun's agent store or the ``init_method``'s)."""
     import torch.distributed as dist
@@ -186,11 +239,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_shape_and_global_offset(global_shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's shard shape and its offset in the full tensor, for a DTensor layout."""
+    """This rank's shard shape and its offset in the full tensor, for a DTensor layout (metadata:
+    computed on real tensors even inside a ``FakeTensorMode``, whose fake ones hold no offsets)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    with unset_fake_temporarily():
+        shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     return tuple(shape), tuple(offset)
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """``t._version``: bumped by every in-place write to ``t`` (autograd's saved-tensor check)."""
+    return t._version
 
 
 def non_persistent_buffer_names(module: nn.Module) -> frozenset[str]:
@@ -207,13 +268,15 @@ class FSDPParamInfo:
 
     param_fqn: the parameter's name from the root; reshard_after_forward: whether its group
     frees the unsharded weight after forward; group_unsharding_for_backward: the group's
-    training state is ``PRE_BACKWARD`` (its pre-backward unshard or a backward prefetch).
+    training state is ``PRE_BACKWARD`` (its pre-backward unshard or a backward prefetch);
+    shard_dim: the dim of its ``Shard`` placement (``FSDPParam.fsdp_placement``).
     """
 
     param_fqn: str
     reshard_after_forward: bool
     group_unsharding_for_backward: bool
     _fsdp_param: Any  # torch's FSDPParam; read only by the functions below
+    shard_dim: int = 0
 
 
 _OWNER_STATE: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
@@ -233,9 +296,10 @@ def fsdp_param_info(shard: torch.Tensor, owner: nn.Module) -> FSDPParamInfo | No
                 if fsdp_param._sharded_local_tensor is shard:
                     return FSDPParamInfo(
                         param_fqn=fsdp_param._param_fqn or "<unknown>",
-                        reshard_after_forward=fsdp_param.post_forward_mesh_info is not None,
+                        reshard_after_forward=group.post_forward_mesh_info is not None,
                         group_unsharding_for_backward=group._training_state == TrainingState.PRE_BACKWARD,
                         _fsdp_param=fsdp_param,
+                        shard_dim=fsdp_param.fsdp_placement.dim,
                     )
     return None
 

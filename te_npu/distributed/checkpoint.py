@@ -315,7 +315,8 @@ def _high_precision_like(param: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):
         shard = local_tensor(param)
         local = torch.zeros(shard.shape, dtype=param.dtype, device=shard.device)
-        return DTensor.fromlocal_tensor(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
     return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
 
 

@@ -41,6 +41,16 @@ to the new outputs and hands them to FSDP as the tensors to free at reshard
 *storage-free placeholder* of the right shape, so ``select()`` on it raises instead of reading
 stale bytes.
 
+Shard dims. A parameter sharded on dim 1 (``Shard(1)``, over K; ``sharding.py`` picks it where
+dim 0 breaks the format's alignment) is gathered the same way, but FSDP2 copies a non-dim-0
+gather out with one chunk-cat per gathered tensor, viewing each as the parameter's shard shape
+``[N, K/W]`` (torch ``foreach_all_gather_copy_out``): only inner tensors with the shard's element
+count fit (the 8-bit data). The others (MXFP8's block scales, 1/32 of the bytes) are gathered
+*alongside*, by the extension itself: one all-gather of their bytes, concatenated along dim 1
+into the full scales and kept on the shard until one of them is written again (their version
+counters: the optimizer's refresh), so a K-sharded weight sends its scales once per optimizer
+step, not once per gather. ``GatherSchema.shard_dims`` says which dims a format's gather takes.
+
 Shape legend: ``W`` = FSDP world size, ``N_local`` = local rows, ``E_local`` = local experts.
 """
 from __future__ import annotations
@@ -49,6 +59,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from te_npu import compat, events
 from te_npu.events import FSDPGatherContext
@@ -66,6 +77,10 @@ __all__ = [
 
 class GatherSchema(Protocol):
     """Per-format choice and reassembly of the physical tensors of one all-gather."""
+
+    def shard_dims(self, ndim: int) -> tuple[int, ...]:
+        """The dims a weight of ``ndim`` dims may be sharded on (and so gathered along)."""
+        ...
 
     def fields(self, shard: QuantizedWeightTensor, context: FSDPGatherContext) -> tuple[str, ...]:
         """Inner-field names to gather, in order (a subset of ``shard.inner_field_names()``)."""
@@ -100,6 +115,10 @@ class MXFP8GatherSchema:
     _ROW = ("row_data", "row_scale")
     _BOTH = ("row_data", "row_scale", "col_data", "col_scale")
 
+    def shard_dims(self, ndim: int) -> tuple[int, ...]:
+        # dense [N, K] also along K: every inner tensor splits on its last dim (module doc)
+        return (0, 1) if ndim == 2 else (0,)
+
     def fields(self, shard: QuantizedWeightTensor, context: FSDPGatherContext) -> tuple[str, ...]:
         if context.phase == "forward" and context.reshard_after_forward:
             return self._ROW
@@ -117,6 +136,11 @@ class HiF8GatherSchema:
     fold to one scalar. Grouped ``[E, N, K]``: ``scale[E_local]`` shards gather to ``scale[E]``
     in expert order, next to whole experts of data.
     """
+
+    def shard_dims(self, ndim: int) -> tuple[int, ...]:
+        # dim 0 only: the dense scalar scale is gathered replicated (and checked), which FSDP2's
+        # dim-1 copy-out cannot carry; every shipped HiF8 weight shards on dim 0 up to W = 64
+        return (0,)
 
     def fields(self, shard: QuantizedWeightTensor, context: FSDPGatherContext) -> tuple[str, ...]:
         return shard.inner_field_names()  # the codes and the scale
@@ -152,6 +176,7 @@ def install_fsdp_extension(cls: type, schema: GatherSchema) -> None:
     _SCHEMAS[cls] = schema
     cls.fsdp_pre_all_gather = _fsdp_pre_all_gather
     cls.fsdp_post_all_gather = _fsdp_post_all_gather
+    cls._gathered_alongside = _gathered_alongside
 
 
 # ---- the two FSDP2 hooks --------------------------------------------------------------------------
@@ -166,27 +191,65 @@ class _GatherMetadata:
     world_size: int
     logical_shape: torch.Size
     fsdp_param: compat.FSDPParamInfo | None = None
+    alongside: dict[str, torch.Tensor] | None = None  # full tensors gathered by the extension (dim 1)
+    field_dtypes: tuple[torch.dtype, ...] = ()  # each field's own dtype (float8 is sent as uint8)
 
 
 def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
     """FSDP2 hook on the local shard: the physical tensors of this phase plus metadata."""
     info = compat.fsdp_param_info(self, module)
     context = _context(info)
-    fields = gather_schema_of(type(self)).fields(self, context)
-    tensors = tuple(getattr(self, name) for name in fields)
+    wanted = gather_schema_of(type(self)).fields(self, context)
     world_size = mesh.size()
+    if context.shard_dim == 0:
+        fields, beside = wanted, ()
+    else:  # FSDP2's dim-1 copy-out takes only tensors shaped like the shard (module doc)
+        fits = {n for n in self.inner_field_names() if getattr(self, n).numel() == self.numel()}
+        fields = tuple(n for n in wanted if n in fits)
+        beside = tuple(n for n in wanted if n not in fits)
+    alongside, sent = None, 0
+    if beside:  # every field that does not fit, in one gather, kept until written (any phase reuses it)
+        kept, sent = self._gathered_alongside(tuple(n for n in self.inner_field_names() if n not in fits), mesh,
+                                              context.shard_dim)
+        alongside = {n: kept[n] for n in beside}
+    # float8 travels as its bytes: one all-gather dtype FSDP2 and every backend (gloo too) takes
+    tensors = tuple(_as_bytes(getattr(self, name)) for name in fields)
     if info is not None:
         compat.fit_all_gather_outputs(info, tensors, world_size)  # FSDP reallocates for another schema
     metadata = _GatherMetadata(
         context, fields, tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors), world_size,
-        torch.Size(outer_size), info,
+        torch.Size(outer_size), info, alongside, tuple(getattr(self, name).dtype for name in fields),
     )
     if events.has_subscribers(events.FSDPGatherEvent):
-        local_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        local_bytes = sum(t.numel() * t.element_size() for t in tensors) + sent
         events.emit(events.FSDPGatherEvent(
-            context, self.format.value, fields, local_bytes, local_bytes * world_size, torch.Size(outer_size).numel()
+            context, self.format.value, fields + (beside if sent else ()), local_bytes, local_bytes * world_size,
+            torch.Size(outer_size).numel(),
         ))
     return tensors, metadata
+
+
+def _gathered_alongside(self, names: tuple[str, ...], mesh, dim: int) -> tuple[dict[str, torch.Tensor], int]:
+    """The full tensors of ``names`` (inner fields of this dim-``dim`` shard), all-gathered in
+    one collective of their bytes and kept on the shard until any of them is written again;
+    returns them and the bytes this rank sent (0 when the kept ones are current)."""
+    locals_ = [getattr(self, n) for n in names]
+    key = tuple((id(t), compat.version_counter(t)) for t in locals_)
+    kept = getattr(self, "_fsdp_gathered_alongside", None)
+    if kept is not None and kept[0] == key:
+        return kept[1], 0
+    world = mesh.size()
+    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in locals_])
+    gathered = flat.new_empty((world, flat.numel()))
+    dist.all_gather_single(gathered.view(-1), flat, group=mesh.get_group())
+    full, offset = {}, 0
+    for name, t in zip(names, locals_):
+        nbytes = t.numel() * t.element_size()
+        pieces = gathered[:, offset: offset + nbytes].contiguous().view(t.dtype).view(world, *t.shape)
+        full[name] = torch.cat(pieces.unbind(0), dim=dim)
+        offset += nbytes
+    self._fsdp_gathered_alongside = (key, full)
+    return full, flat.numel()
 
 
 def _fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -194,10 +257,16 @@ def _fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
     _validate_outputs(type(self).__name__, outputs, metadata)
     schema = gather_schema_of(type(self))
     ctx = metadata.context
+    if metadata.field_dtypes:
+        outputs = tuple(g if g.dtype == d else g.view(d) for g, d in zip(outputs, metadata.field_dtypes))
+    if ctx.shard_dim != 0:  # FSDP2 chunk-catted each output along the dim: the full tensor, flat
+        outputs = tuple(g.view(_full_shape(shape, ctx.shard_dim, metadata.world_size))
+                        for g, shape in zip(outputs, metadata.local_shapes))
     inner = {
         name: schema.assemble(name, gathered, metadata.world_size, metadata.logical_shape, ctx)
         for name, gathered in zip(metadata.fields, outputs)
     }
+    inner.update(metadata.alongside or {})
     if out is not None:
         for name in self.inner_field_names():
             value = inner.get(name)
@@ -228,7 +297,22 @@ def _context(info: compat.FSDPParamInfo | None) -> FSDPGatherContext:
         phase="backward" if backward else "forward",
         reshard_after_forward=info.reshard_after_forward,
         param_fqn=info.param_fqn,
+        shard_dim=info.shard_dim,
     )
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor viewed as its uint8 codes (same storage); anything else as it is."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
+def _full_shape(local_shape: torch.Size, dim: int, world_size: int) -> tuple[int, ...]:
+    """The unsharded shape of an inner tensor of ``local_shape`` sharded ``world_size`` ways on ``dim``."""
+    if not len(local_shape):
+        return tuple(local_shape)
+    full = list(local_shape)
+    full[dim] *= world_size
+    return tuple(full)
 
 
 def _validate_outputs(cls_name: str, outputs: tuple, metadata: _GatherMetadata) -> None:
@@ -250,8 +334,8 @@ def _validate_outputs(cls_name: str, outputs: tuple, metadata: _GatherMetadata) 
 def _full_shape_of(shard: QuantizedWeightTensor, name: str, metadata: _GatherMetadata) -> torch.Tensor:
     """A storage-free tensor with the unsharded shape of ``shard``'s field ``name``."""
     local = getattr(shard, name)
-    shape = local.shape if local.dim() == 0 else (local.shape[0] * metadata.world_size, *local.shape[1:])
-    return _placeholder(shape, local.dtype, local.device)
+    return _placeholder(_full_shape(local.shape, metadata.context.shard_dim, metadata.world_size), local.dtype,
+                        local.device)
 
 
 def _placeholder_like(t: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,24 @@ The optimizer shards each initial value with the parameter's own mesh and placem
 (``distribute_tensor(..., src_data_rank=None)``: every rank slices its own identical copy, no
 communication) and keeps only the local FP32 shard.
 
-Step: FSDP reduce-scatter -> ``param.grad`` (BF16 shard) -> cast to FP32 ``master.grad`` ->
-global grad norm (one all-reduce) -> non-finite anywhere: skip (nothing updated, nothing
-refreshed) -> optional clipping -> AdamW on the masters -> refresh every 8-bit shard once
-(``refresh_low_precision_weights``) and copy high-precision params from their masters.
+Shard first (the trainer's order: nothing full-size on any rank, no random values that a load
+would overwrite):
+
+    with torch.device("meta"): model = build()
+    quantize_weights_(model, recipe)                        # meta 8-bit weights, no values
+    shard_model(model, mesh, ...); model.to_empty(device=d) # each rank allocates its shards only
+    opt = MasterWeightOptimizer.for_sharded_init(model, lr=...)   # masters allocated, not written
+    opt.initialize_masters_(value_of)                       # value_of(fqn): the full initial value;
+                                                            # each rank keeps its region, refreshes
+    # or: checkpoint.load(...) / hf_checkpoint loads write the masters, then rebuild
+
+Step: FSDP reduce-scatter -> ``param.grad`` (BF16 shard) -> global grad norm from those shards
+in FP32 (one all-reduce) -> non-finite anywhere: skip (nothing updated, nothing refreshed) ->
+AdamW on the masters in bounded chunks: each chunk's gradients cast to FP32 ``master.grad``
+(and clipped) only while its update runs, at most the largest parameter's FP32 gradient at a
+time -> refresh every 8-bit shard once (``refresh_low_precision_weights``) and copy
+high-precision params from their masters. The update is the one AdamW step over all
+parameters would make, bit for bit (AdamW updates each tensor on its own).
 ``zero_grad``, micro-batches and activation recompute never refresh.
 """
 from __future__ import annotations
@@ -37,7 +51,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from te_npu import events
-from te_npu.compat import local_tensor
+from te_npu.compat import local_shape_and_global_offset, local_tensor
 from te_npu.quantize_weights import quantize_weights_
 from te_npu.tensor import QuantizedWeightTensor
 
@@ -184,15 +198,18 @@ class MasterWeightOptimizer:
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         max_grad_norm: float | None = None,
+        _unwritten: bool = False,
     ) -> None:
         initial_weights = initial_weights or {}
         self.max_grad_norm = max_grad_norm
         self.params: dict[str, torch.Tensor] = {
             fqn: p for fqn, p in model.named_parameters() if p.requires_grad
         }
+        make = _empty_master if _unwritten else _make_master
         self.masters: dict[str, torch.Tensor] = {
-            fqn: _make_master(fqn, p, initial_weights.get(fqn)) for fqn, p in self.params.items()
+            fqn: make(fqn, p, initial_weights.get(fqn)) for fqn, p in self.params.items()
         }
+        self._masters_written = not _unwritten
         self.no_decay: tuple[str, ...] = tuple(fqn for fqn, p in self.params.items() if p.dim() < 2)
         groups = [
             {"params": [m for fqn, m in self.masters.items() if fqn not in self.no_decay], "weight_decay": weight_decay},
@@ -210,6 +227,34 @@ class MasterWeightOptimizer:
         self.refresh_counts: Counter[str] = Counter()
         self._fqn_of = {id(p): fqn for fqn, p in self.params.items()}
 
+    @classmethod
+    def for_sharded_init(cls, model: nn.Module, **hyperparameters) -> "MasterWeightOptimizer":
+        """An optimizer whose FP32 masters are allocated like each parameter's local shard but
+        not written (moments zero): for a model built on meta, sharded and ``to_empty``-ed, whose
+        values come next from :meth:`initialize_masters_` or a checkpoint load (DCP resume, HF
+        initial load), which then rebuild the 8-bit shards. ``step`` refuses until then."""
+        return cls(model, None, _unwritten=True, **hyperparameters)
+
+    @torch.no_grad()
+    def initialize_masters_(self, value_of: Callable[[str], torch.Tensor]) -> None:
+        """Write every master from ``value_of(fqn)``: the parameter's full initial value (any
+        device, FP32 or the parameter's dtype; rounded to the parameter's dtype first, as a
+        parameter initialised in place would be), of which each rank keeps only its own region.
+        Then refresh every 8-bit shard and copy every high-precision parameter from its master.
+
+        The result does not depend on the world size: every rank cuts its region out of the same
+        full value (one parameter's full value in memory at a time)."""
+        for fqn, master in self.masters.items():
+            full = value_of(fqn)
+            param = self.params[fqn]
+            if list(full.shape) != list(param.shape):
+                raise ValueError(f"initialize_masters_: value of {fqn!r} has shape {list(full.shape)}, param "
+                                 f"{list(param.shape)}")
+            region = _local_region(full, master)
+            local_tensor(master).copy_(region.to(param.dtype))
+            del full, region
+        self.rebuild_weights_from_masters()
+
     # ---- public ---------------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
@@ -218,27 +263,40 @@ class MasterWeightOptimizer:
             param.grad = None
 
     def step(self) -> StepResult:
-        """One update from the accumulated gradients; skipped (nothing changes) if any is non-finite."""
-        for fqn, master in self.masters.items():
-            grad = self.params[fqn].grad
-            master.grad = None if grad is None else grad.detach().to(torch.float32)
-        grads = [m.grad for m in self.masters.values() if m.grad is not None]
-        norm = global_grad_norm(grads)
+        """One update from the accumulated gradients; skipped (nothing changes) if any is non-finite.
+
+        Peak memory: the FP32 gradients of one chunk of masters at a time (consecutive masters
+        whose FP32 gradients together fit the largest one's), not a second copy of every gradient.
+        """
+        if not self._masters_written:
+            raise RuntimeError("MasterWeightOptimizer.step: the masters were never written (an optimizer from "
+                               "for_sharded_init needs initialize_masters_ or a checkpoint load first)")
+        present = [(fqn, self.params[fqn].grad) for fqn in self.masters if self.params[fqn].grad is not None]
+        norm = global_grad_norm(grad for _, grad in present)
         if not bool(torch.isfinite(norm)):
             self._drop_master_grads()
             return self._result(updated=False, grad_norm=float(norm))
-        if self.max_grad_norm is not None:
-            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            for grad in grads:
-                grad.mul_(coef.to(local_tensor(grad).device))
-        self.optimizer.step()
-        self._drop_master_grads()
+        coef = None if self.max_grad_norm is None else torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        for chunk in _bounded_chunks(present, self._fp32_grad_budget()):
+            for fqn, grad in chunk:
+                master_grad = grad.detach().to(torch.float32)
+                if coef is not None:
+                    master_grad.mul_(coef.to(local_tensor(master_grad).device))
+                self.masters[fqn].grad = master_grad
+            self.optimizer.step()  # AdamW updates only the masters holding a gradient
+            self._drop_master_grads()
         self.rebuild_weights_from_masters()
         return self._result(updated=True, grad_norm=float(norm))
 
+    def _fp32_grad_budget(self) -> int:
+        """Bytes of the largest master's local FP32 gradient: the most one chunk of ``step`` casts."""
+        return max((local_tensor(m).numel() * 4 for m in self.masters.values()), default=0)
+
     @torch.no_grad()
     def rebuild_weights_from_masters(self) -> None:
-        """Refresh every 8-bit shard once and copy high-precision params from their masters."""
+        """Refresh every 8-bit shard once and copy high-precision params from their masters (call
+        after writing every master, e.g. a checkpoint load: the masters count as written)."""
+        self._masters_written = True
         quantized = [fqn for fqn, p in self.params.items() if isinstance(local_tensor(p), QuantizedWeightTensor)]
         refresh_low_precision_weights(
             [self.params[f] for f in quantized], [self.masters[f] for f in quantized], on_refresh=self._count
@@ -291,6 +349,44 @@ def _make_master(fqn: str, param: torch.Tensor, initial: torch.Tensor | None) ->
         sharded.to_local().clone(), param.device_mesh, param.placements, run_check=False,
         shape=param.shape, stride=param.stride(),
     )
+
+
+def _empty_master(fqn: str, param: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
+    """An unwritten FP32 tensor laid out like ``param``'s local shard (DTensor with its
+    placements, or plain); ``initial`` must be None (values come later)."""
+    if initial is not None:
+        raise ValueError(f"MasterWeightOptimizer.for_sharded_init: {fqn!r} got an initial value; use the constructor")
+    shard = local_tensor(param)
+    local = torch.empty(shard.shape, dtype=torch.float32, device=shard.device)
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _local_region(full: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """The part of the full tensor ``full`` that ``master``'s local shard holds, on its device."""
+    shard = local_tensor(master)
+    if isinstance(master, DTensor):
+        shape, offset = local_shape_and_global_offset(master.shape, master.device_mesh, master.placements)
+        for dim, (start, length) in enumerate(zip(offset, shape)):
+            full = full.narrow(dim, start, length)
+    return full.to(shard.device)
+
+
+def _bounded_chunks(items: list, budget_bytes: int):
+    """Consecutive runs of ``(fqn, grad)`` whose FP32 sizes sum to at most ``budget_bytes``
+    (a single larger one alone)."""
+    chunk, size = [], 0
+    for fqn, grad in items:
+        nbytes = local_tensor(grad).numel() * 4
+        if chunk and size + nbytes > budget_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((fqn, grad))
+        size += nbytes
+    if chunk:
+        yield chunk
 
 
 def _mesh_group(param: torch.Tensor):

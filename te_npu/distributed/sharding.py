@@ -16,32 +16,45 @@ Plans (``shard_model(units=...)``):
 - ``te_module_units(model)`` -- every TE module its own unit (the default; a model with no
   layer structure, e.g. a test's few TE modules under one root).
 
-Constraints, checked per parameter on every rank *before* ``fully_shard`` (with an extension,
-an uneven dim-0 shard fails on one rank and hangs the other, so nothing may be left to FSDP):
+Placement, decided per parameter on every rank *before* ``fully_shard`` (with an extension,
+an uneven shard fails on one rank and hangs the other, so nothing may be left to FSDP), from
+shapes alone (a meta-built model plans before anything is allocated):
 
-- every sharded parameter: dim 0 divisible by the world size (no padding); a grouped weight
-  ``[E, ...]`` is so split between whole experts (HiF8: never split an expert);
-- a quantized weight: its class's ``shard_alignment`` (``MXFP8Tensor``: local flattened rows,
-  ``N / W`` for ``[N, K]`` or ``E / W * D1`` for ``[E, D1, D2]``, a multiple of 64).
+- dim 0 first: divisible by the world size (no padding); a grouped weight ``[E, ...]`` is so
+  split between whole experts (HiF8: never split an expert); a quantized weight also keeps its
+  class's ``shard_alignment`` (``MXFP8Tensor``: local flattened rows, ``N / W`` for ``[N, K]`` or
+  ``E / W * D1`` for ``[E, D1, D2]``, a multiple of 64);
+- else dim 1 of a 2D parameter (FSDP2 ``Shard(1)``, over K), where its class allows it
+  (``shard_alignment.cols``: MXFP8 ``K / W`` a multiple of 64) and its gather schema can gather
+  it (``GatherSchema.shard_dims``): e.g. ``kv_a_proj_with_mqa [3136, 2048]`` at W = 8, whose
+  392 local rows break MXFP8's 64-row pairs while 256 local columns keep them;
+- else no placement keeps the format: ``ConfigError`` naming FQN, shape, world size, each dim's
+  reason and the world sizes that would shard it, or with ``fallback_to_unsharded=True`` the
+  parameter stays replicated: it is passed to its unit's ``fully_shard`` as an ignored
+  parameter (so FSDP never touches it; its GEMMs stay 8-bit) and gets a post-accumulate-grad
+  hook that averages its gradient over the group, like FSDP's reduce-scatter averages the
+  sharded ones.
 
-A violation raises ``ConfigError`` naming FQN, shape and world size, or with
-``fallback_to_unsharded=True`` keeps that parameter replicated: it is passed to its unit's
-``fully_shard`` as an ignored parameter (so FSDP never touches it; its GEMMs stay 8-bit) and
-gets a post-accumulate-grad hook that averages its gradient over the group, like FSDP's
-reduce-scatter averages the sharded ones.
+``ShardPlan.describe()`` is the one-paragraph summary the trainer logs: how many parameters and
+elements on each dim, the FQNs off dim 0 (layer indices folded), what stays replicated and its
+bytes per rank.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
 from te_npu.compat import local_tensor
+from te_npu.distributed.fsdp import gather_schema_of
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule
 from te_npu.tensor import QuantizedWeightTensor
@@ -50,6 +63,7 @@ __all__ = [
     "FSDPUnit",
     "ShardPlan",
     "validate_parallel_config",
+    "shard_dim",
     "shard_violation",
     "plan_shards",
     "te_module_units",
@@ -66,14 +80,54 @@ class FSDPUnit:
     reshard_after_forward: bool | None = None
 
 
+_CANDIDATE_WORLD_SIZES = (2, 4, 8, 16, 32, 64, 128)
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """``sharded``: FQNs FSDP will shard; ``replicated``: FQN -> why it stays replicated;
-    ``units``: the FQNs of each unit's modules, in ``fully_shard`` order (the root last, ``""``)."""
+    ``units``: the FQNs of each unit's modules, in ``fully_shard`` order (the root last, ``""``);
+    ``dims``: FQN -> the dim FSDP shards it on (0, or 1: ``Shard(1)`` over K); ``shapes`` /
+    ``nbytes``: each planned parameter's global shape and its bytes (all inner tensors of a
+    quantized weight); ``world_size``: the FSDP group size the plan is for."""
 
     sharded: tuple[str, ...]
     replicated: dict[str, str]
     units: tuple[tuple[str, ...], ...] = ()
+    dims: Mapping[str, int] = field(default_factory=dict)
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    nbytes: Mapping[str, int] = field(default_factory=dict)
+    world_size: int = 1
+
+    def replicated_bytes_per_rank(self) -> int:
+        """Bytes every rank holds for the replicated parameters (their full size, on each rank)."""
+        return sum(self.nbytes.get(fqn, 0) for fqn in self.replicated)
+
+    def describe(self) -> str:
+        """The plan in a few lines: parameters and elements per shard dim, the FQNs off dim 0
+        (layer indices folded to ``*``), and the replicated ones with their bytes per rank."""
+        by_dim: dict[int, list[str]] = defaultdict(list)
+        for fqn in self.sharded:
+            by_dim[self.dims.get(fqn, 0)].append(fqn)
+        parts = [f"{len(fqns)} on dim {dim} ({sum(math.prod(self.shapes.get(f, ())) for f in fqns):,} elements)"
+                 for dim, fqns in sorted(by_dim.items())]
+        lines = [f"FSDP2 plan over {self.world_size} ranks: {len(self.sharded)} parameters sharded: " + ", ".join(parts)
+                 + f"; {len(self.replicated)} replicated"]
+        for dim, fqns in sorted(by_dim.items()):
+            if dim != 0:
+                lines.append(f"  Shard({dim}): " + _folded(fqns, self.shapes))
+        if self.replicated:
+            lines.append(f"  replicated (+{self.replicated_bytes_per_rank() / 2**30:.2f} GiB per rank): "
+                         + _folded(list(self.replicated), self.shapes))
+        return "\n".join(lines)
+
+
+def _folded(fqns: Sequence[str], shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """``model.layers.*.x.weight [3136, 2048] x28, ...``: FQNs with their layer indices folded."""
+    groups: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
+    for fqn in fqns:
+        groups[(re.sub(r"\.\d+\.", ".*.", fqn), tuple(shapes.get(fqn, ())))] += 1
+    return ", ".join(f"{name} {list(shape)}" + (f" x{n}" if n > 1 else "") for (name, shape), n in groups.items())
 
 
 def validate_parallel_config(
@@ -100,44 +154,79 @@ def validate_parallel_config(
             raise ConfigError(f"parallel.{name}_size: {size} is not supported; only FSDP2 data parallelism (size 1) is")
 
 
-def shard_violation(fqn: str, param: torch.Tensor, world_size: int) -> str | None:
-    """Why ``param`` cannot be sharded over ``world_size`` ranks on dim 0, or None."""
+def _dim_violation(param: torch.Tensor, dim: int, world_size: int) -> str | None:
+    """Why ``param`` cannot be split into ``world_size`` equal FSDP2 shards along ``dim``, or None."""
+    shape = tuple(param.shape)
+    if dim >= len(shape):
+        return f"no dim {dim}"
+    if shape[dim] % world_size:
+        return f"dim {dim} ({shape[dim]}) is not divisible by the world size (uneven shards need padding, unsupported)"
     local = local_tensor(param)
-    shape = list(param.shape)
-    where = f"parameter {fqn!r} shape {shape} over FSDP world size {world_size}"
-    if world_size == 1:
-        return None
-    if not shape or shape[0] % world_size:
-        return f"{where}: dim 0 is not divisible by the world size (uneven shards need padding, unsupported)"
     if not isinstance(local, QuantizedWeightTensor):
         return None
-    alignment = local.shard_alignment
-    rows_local = shape[0] // world_size
-    flat_rows = rows_local * math.prod(shape[1:-1])
-    if flat_rows % alignment.rows:
-        what = f"(E_local={rows_local}) * D1={shape[1]}" if len(shape) == 3 else f"N_local={rows_local}"
-        return (f"{where}: {type(local).__name__} local rows {what} = {flat_rows} is not a multiple of "
-                f"{alignment.rows} ({alignment.reason})")
-    return None
+    if dim not in gather_schema_of(type(local)).shard_dims(len(shape)):
+        return f"{type(local).__name__}'s FSDP2 gather has no Shard({dim}) for a {len(shape)}D weight"
+    reason = local.shard_alignment.violation(shape, dim, world_size)
+    return None if reason is None else f"{type(local).__name__} {reason}"
+
+
+def shard_dim(param: torch.Tensor, world_size: int) -> tuple[int | None, list[str]]:
+    """The dim FSDP2 shards ``param`` on over ``world_size`` ranks (0 first, then dim 1 of a 2D
+    parameter), or None with each candidate dim's reason."""
+    if world_size == 1:
+        return 0, []
+    reasons = []
+    for dim in (0, 1) if param.dim() == 2 else (0,):
+        reason = _dim_violation(param, dim, world_size)
+        if reason is None:
+            return dim, reasons
+        reasons.append(f"Shard({dim}): {reason}")
+    return None, reasons
+
+
+def shard_violation(fqn: str, param: torch.Tensor, world_size: int) -> str | None:
+    """Why ``param`` cannot be sharded over ``world_size`` ranks on any dim, or None."""
+    dim, reasons = shard_dim(param, world_size)
+    if dim is not None:
+        return None
+    shape = list(param.shape)
+    fits = [w for w in _CANDIDATE_WORLD_SIZES if w != world_size and shard_dim(param, w)[0] is not None]
+    fits_note = f"; it shards at world sizes {fits}" if fits else ""
+    return f"parameter {fqn!r} shape {shape} over FSDP world size {world_size}: " + "; ".join(reasons) + fits_note
 
 
 def plan_shards(
     named_params: Iterable[tuple[str, torch.Tensor]], world_size: int, *, fallback_to_unsharded: bool
 ) -> ShardPlan:
-    """Check every parameter; raise ``ConfigError`` listing violations unless falling back."""
-    sharded, replicated = [], {}
+    """Pick every parameter's shard dim (module doc) from its shape and class; raise one
+    ``ConfigError`` listing what no dim can shard unless falling back to replicas. Reads only
+    shapes and classes: a meta-built (and meta-quantized) model plans before any allocation."""
+    sharded, replicated, dims, shapes, nbytes = [], {}, {}, {}, {}
     for fqn, param in named_params:
-        reason = shard_violation(fqn, param, world_size)
-        if reason is None:
-            sharded.append(fqn)
+        shapes[fqn], nbytes[fqn] = tuple(param.shape), _param_bytes(param)
+        dim, _ = shard_dim(param, world_size)
+        if dim is None:
+            replicated[fqn] = shard_violation(fqn, param, world_size)
         else:
-            replicated[fqn] = reason
+            sharded.append(fqn)
+            dims[fqn] = dim
+    plan = ShardPlan(tuple(sharded), replicated, dims=dims, shapes=shapes, nbytes=nbytes, world_size=world_size)
     if replicated and not fallback_to_unsharded:
         raise ConfigError(
-            "shard constraints violated (set fsdp_config.fallback_to_unsharded: true to keep these replicated):\n  "
+            f"shard constraints violated: no shard dim keeps these {len(replicated)} parameter(s) "
+            f"(set fsdp_config.fallback_to_unsharded: true to keep them replicated, "
+            f"+{plan.replicated_bytes_per_rank() / 2**30:.2f} GiB per rank, or use a world size that shards them):\n  "
             + "\n  ".join(replicated.values())
         )
-    return ShardPlan(tuple(sharded), replicated)
+    return plan
+
+
+def _param_bytes(param: torch.Tensor) -> int:
+    """Bytes of ``param`` (a quantized weight: all its inner tensors), from metadata only."""
+    local = local_tensor(param)
+    if isinstance(local, QuantizedWeightTensor):
+        return sum(getattr(local, n).numel() * getattr(local, n).element_size() for n in local.inner_field_names())
+    return param.numel() * param.element_size()
 
 
 def te_module_units(model: nn.Module) -> list[FSDPUnit]:
@@ -209,7 +298,8 @@ def shard_model(
     validate_parallel_config(comm_fusion=comm_fusion)
     plan = plan_shards(model.named_parameters(), mesh.size(), fallback_to_unsharded=fallback_to_unsharded)
     replicated = {model.get_parameter(fqn) for fqn in plan.replicated}
-    kwargs = {"mesh": mesh}
+    placement = {id(model.get_parameter(fqn)): Shard(dim) for fqn, dim in plan.dims.items()}
+    kwargs = {"mesh": mesh, "shard_placement_fn": lambda param: placement.get(id(param))}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     names = {id(m): name for name, m in model.named_modules()}
@@ -220,14 +310,30 @@ def shard_model(
             continue  # nothing for FSDP to shard here
         modules = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
         reshard = reshard_after_forward if unit.reshard_after_forward is None else unit.reshard_after_forward
-        fully_shard(modules, ignored_params=replicated & owned or None, reshard_after_forward=reshard, **kwargs)
+        _fully_shard(modules, owned, replicated, reshard, plan.dims, model, kwargs)
         applied.append(tuple(names[id(m)] for m in unit.modules))
-    fully_shard(model, ignored_params=replicated or None, reshard_after_forward=reshard_after_forward, **kwargs)
+    _fully_shard(model, set(model.parameters()), replicated, reshard_after_forward, plan.dims, model, kwargs)
     applied.append(("",))
     group = mesh.get_group()
     for param in replicated:
         param.register_post_accumulate_grad_hook(_average_grad_hook(group))
-    return ShardPlan(plan.sharded, plan.replicated, tuple(applied))
+    return ShardPlan(plan.sharded, plan.replicated, tuple(applied), dims=plan.dims, shapes=plan.shapes,
+                     nbytes=plan.nbytes, world_size=plan.world_size)
+
+
+def _fully_shard(modules, owned: set, replicated: set, reshard: bool, dims: Mapping[str, int], model: nn.Module,
+                 kwargs: dict) -> None:
+    """``fully_shard`` one unit. A unit holding a parameter sharded on dim 1 is built with
+    ``reshard_after_forward=False`` and switched to ``True`` after (the same behaviour): with
+    ``True`` at construction, torch 2.13's ``FSDPParam`` sizes its unused post-forward shard by
+    chunking the whole parameter on dim 0 whatever its placement, which a quantized weight
+    whose rows break its blocks (the reason it is sharded on dim 1) cannot do."""
+    off_dim0 = {id(model.get_parameter(fqn)) for fqn, dim in dims.items() if dim != 0}
+    late_reshard = reshard and any(id(p) in off_dim0 for p in owned - replicated)
+    fully_shard(modules, ignored_params=replicated & owned or None, reshard_after_forward=reshard and not late_reshard,
+                **kwargs)
+    if late_reshard:
+        (modules[0] if isinstance(modules, list) else modules).set_reshard_after_forward(True, recurse=False)
 
 
 def _average_grad_hook(group):
