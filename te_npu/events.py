@@ -60,6 +60,7 @@ __all__ = [
     "WeightRefreshEvent",
     "OptimizerStepEvent",
     "StepBeginEvent",
+    "SetupStepEvent",
 ]
 
 
@@ -149,12 +150,14 @@ class FSDPGatherContext:
 
     phase: "forward" (forward, forward prefetch) or "backward" (pre-backward unshard, backward
     prefetch, the recompute of full activation checkpointing); reshard_after_forward: the
-    parameter's FSDP2 setting; param_fqn: the parameter's name in the model.
+    parameter's FSDP2 setting; param_fqn: the parameter's name in the model; shard_dim: the dim
+    FSDP2 shards it on (0, or 1: ``Shard(1)`` over K).
     """
 
     phase: Literal["forward", "backward"]
     reshard_after_forward: bool
     param_fqn: str
+    shard_dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,14 @@ class StepBeginEvent:
     the number of steps done so far (the log line of this step prints iteration ``step + 1``)."""
 
     step: int
+
+
+@dataclass(frozen=True)
+class SetupStepEvent:
+    """``Trainer.setup`` is starting one of its named steps (``name``, e.g. ``"shard on meta"``,
+    ``"initial values"``): what a memory tracker files the bytes of setup under."""
+
+    name: str
 
 
 # ---- the stream --------------------------------------------------------------------------------

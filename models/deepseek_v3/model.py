@@ -22,7 +22,8 @@ from torch import nn
 import te_npu
 from models.deepseek_v3.config import DeepseekV3Config
 
-__all__ = ["DeepseekV3ForCausalLM", "CausalLMOutput", "materialize_", "init_weights_", "low_precision_scope"]
+__all__ = ["DeepseekV3ForCausalLM", "CausalLMOutput", "materialize_", "init_weights_", "initial_value",
+           "low_precision_scope"]
 
 _LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
 _IGNORE_INDEX = -100
@@ -231,23 +232,30 @@ class DeepseekV3ForCausalLM(nn.Module):
         return CausalLMOutput(logits_BSO, None if labels is None else causal_lm_loss(logits_BSO, labels))
 
 
+def initial_value(model: nn.Module, fqn: str, seed: int) -> torch.Tensor:
+    """HF-equal initial value of parameter or buffer ``fqn``, full shape, FP32 on the CPU:
+    normal(0, initializer_range) for linears, embeddings, experts and router; norms 1; router
+    bias 0; embedding padding row 0. Each tensor draws from its own generator seeded by
+    (seed, FQN), so the value depends on nothing else (construction order, sharding, world size)."""
+    module_name, _, name = fqn.rpartition(".")
+    module = model.get_submodule(module_name)
+    shape = getattr(module, name).shape
+    if isinstance(module, RMSNorm):
+        return torch.ones(shape)
+    if name == "e_score_correction_bias":
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{module_name}.{name}".encode()))
+    value = torch.empty(shape, dtype=torch.float32).normal_(0.0, model.config.initializer_range, generator=gen)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None and name == "weight":
+        value[module.padding_idx] = 0.0
+    return value
+
+
 @torch.no_grad()
 def init_weights_(model: nn.Module, seed: int) -> None:
-    """HF-equal init: normal(0, initializer_range) for linears, embeddings, experts and router;
-    norms 1; router bias 0; embedding padding row 0. Each tensor draws from its own generator
-    seeded by (seed, FQN), so the result does not depend on construction or iteration order."""
-    std = model.config.initializer_range
-    for module_name, module in model.named_modules():
-        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            if isinstance(module, RMSNorm):
-                tensor.fill_(1.0)
-            elif name == "e_score_correction_bias":
-                tensor.zero_()
-            else:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{module_name}.{name}".encode()))
-                tensor.copy_(torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            module.weight[module.padding_idx].zero_()
+    """Every parameter and buffer of a materialized, unsharded ``model`` set to its ``initial_value``."""
+    for fqn, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        tensor.copy_(initial_value(model, fqn, seed))
 
 
 def materialize_(model: nn.Module, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):

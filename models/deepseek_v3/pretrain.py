@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.deepseek_v3.config import DeepseekV3Config, validate_16b
+from models.deepseek_v3.flops import flops_per_token
 from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter
-from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, low_precision_scope, materialize_
+from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, initial_value, low_precision_scope
 from models.deepseek_v3.model_section import DeepseekV3ModelSection
 from te_npu.training.config import TrainConfig, load_config
 from te_npu.training.job import StopRequest, run_job
+from te_npu.training.throughput import ModelFlops
 from te_npu.training.trainer import Trainer
 
 __all__ = ["DeepseekV3Task", "model_section_of", "model_config", "main"]
@@ -48,8 +50,8 @@ class DeepseekV3Task:
         if model_section_of(cfg).validate_16b:
             validate_16b(model)
 
-    def materialize(self, model: nn.Module, *, seed: int, device: torch.device, dtype: torch.dtype) -> None:
-        materialize_(model, seed, device=device, dtype=dtype)
+    def initial_value(self, model: nn.Module, fqn: str, *, seed: int) -> torch.Tensor:
+        return initial_value(model, fqn, seed)
 
     def vocab_size(self, cfg: TrainConfig) -> int:
         return model_config(cfg).vocab_size
@@ -59,6 +61,11 @@ class DeepseekV3Task:
 
     def low_precision_scope(self, model: nn.Module) -> list[str]:
         return low_precision_scope(model)
+
+    def flops_per_token(self, cfg: TrainConfig) -> ModelFlops:
+        """Model FLOPs per training token at the run's sequence length (``models/deepseek_v3/flops.py``)."""
+        return flops_per_token(model_config(cfg), cfg.training.seq_len,
+                               recompute=cfg.activation_checkpoint.mode == "full")
 
     def hf_adapter(self, cfg: TrainConfig) -> DeepseekV3HFAdapter:
         """Hugging Face key mapping and config.json rules (``checkpoint.initial_load_path``, exports)."""

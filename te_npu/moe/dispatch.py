@@ -12,6 +12,10 @@ permutation is a gather by the inverse permutation, and the k copies of a token 
 with a ``view(T, k, H).sum(1)``. No ``index_add_`` / atomics, so results are bitwise
 reproducible on CUDA as well as on CPU.
 
+Tensors without data (meta, or the fake tensors of a capacity estimate) hold no expert ids to
+count: ``permute`` then assumes balanced routing (``T * k / E`` rows per expert, the remainder
+to the first experts), with the counts mirrored on the host so nothing reads a value.
+
 Precision of ``unpermute``: the k expert outputs are multiplied by their routing weights and
 summed in FP32, then cast to ``expert_out.dtype`` (the same order of operations as Hugging
 Face's ``grouped_mm`` experts path, whose routing weights are FP32).
@@ -19,6 +23,9 @@ Face's ``grouped_mm`` experts path, whose routing weights are FP32).
 from __future__ import annotations
 
 import torch
+
+from te_npu import compat
+from te_npu.ops.group_sizes import group_sizes_tensor
 
 __all__ = ["permute", "unpermute"]
 
@@ -78,20 +85,36 @@ def permute(
         raise TypeError(f"permute: topk_ids must be an integer tensor, got {topk_ids.dtype}")
     k = topk_ids.shape[1]
     expert_of_pair_P = topk_ids.reshape(-1).long()
-    # counts in E + 1 bins, the last for ids outside [0, E): no data-dependent output size, so
-    # no host sync on an accelerator (bincount reads the max id). Out-of-range ids raise here on
-    # CPU; on an accelerator they are left out of m_splits, whose sum the experts check.
-    in_range_P = (expert_of_pair_P >= 0) & (expert_of_pair_P < num_experts)
-    bins_P = torch.where(in_range_P, expert_of_pair_P, num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=hidden.device)
-    counts.scatter_add_(0, bins_P, torch.ones_like(bins_P))
-    if counts.device.type == "cpu" and counts[num_experts] > 0:
-        raise ValueError(f"permute: topk_ids holds an expert id outside [0, num_experts={num_experts})")
-    m_splits_E = counts[:num_experts]
+    if compat.holds_no_data(topk_ids):  # nothing to count (module doc): balanced, mirrored on the host
+        m_splits_E = group_sizes_tensor(_balanced(expert_of_pair_P.numel(), num_experts), hidden.device)
+    else:
+        m_splits_E = _count_per_expert(expert_of_pair_P, num_experts)
     pair_of_row_P = torch.argsort(expert_of_pair_P, stable=True)
     row_map_P = _inverse_permutation(pair_of_row_P)
     permuted_PH = _ExpandGather.apply(hidden, pair_of_row_P // k, row_map_P, k)
     return permuted_PH, m_splits_E, row_map_P
+
+
+def _count_per_expert(expert_of_pair_P: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert, int64 ``[E]``.
+
+    Counts in E + 1 bins, the last for ids outside [0, E): no data-dependent output size, so no
+    host sync on an accelerator (bincount reads the max id). Out-of-range ids raise here on CPU;
+    on an accelerator they are left out of m_splits, whose sum the experts check.
+    """
+    in_range_P = (expert_of_pair_P >= 0) & (expert_of_pair_P < num_experts)
+    bins_P = torch.where(in_range_P, expert_of_pair_P, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_of_pair_P.device)
+    counts.scatter_add_(0, bins_P, torch.ones_like(bins_P))
+    if counts.device.type == "cpu" and counts[num_experts] > 0:
+        raise ValueError(f"permute: topk_ids holds an expert id outside [0, num_experts={num_experts})")
+    return counts[:num_experts]
+
+
+def _balanced(pairs: int, num_experts: int) -> list[int]:
+    """``pairs`` rows over ``num_experts`` experts as evenly as possible (the first get one more)."""
+    base, extra = divmod(pairs, num_experts)
+    return [base + (1 if e < extra else 0) for e in range(num_experts)]
 
 
 def unpermute(expert_out: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -153,6 +153,10 @@ class TrainingConfig:
     reference), ``compiled`` (torch.compile of it; cpu / cuda), ``native`` (C++ CPU kernels), or
     ``auto``: ``native`` for a CPU run with a low-precision recipe when the kernels build here,
     else ``eager``, saying why. A named kernel that cannot run raises; the losses are the same bits.
+
+    ``peak_tflops``: one device's peak TFLOP/s for the run's format, the denominator of the MFU
+    the step line reports (``te_npu.training.throughput``); null: Ascend 950's (1000 for MXFP8 /
+    HiF8, none published for BF16) on an ``npu`` device, no MFU elsewhere.
     """
 
     seed: int = option(1234, ge=0)
@@ -179,6 +183,7 @@ class TrainingConfig:
     stop_on_nonfinite_loss: bool = True
     loss_spike_factor: float = option(10.0, ge=0.0)
     quant_kernel: Literal["auto", "eager", "compiled", "native"] = "auto"
+    peak_tflops: float | None = option(None, gt=0.0)
 
     def __post_init__(self) -> None:
         if self.min_lr > self.lr:

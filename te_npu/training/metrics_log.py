@@ -7,7 +7,8 @@ Only rank 0 writes: on other ranks ``MetricsLogger`` is silent and creates no fi
 - ``{"kind": "config", "time", "config": {...}}`` - the resolved config, once per start;
 - ``{"kind": "train", "step", "train_steps", "time", "lm_loss", "lr", "grad_norm",
   "elapsed_ms", "tokens_per_s", "global_batch_size", "consumed_samples",
-  "skipped_iterations", "peak_mem_mb", ...extra}``;
+  "skipped_iterations", "peak_mem_mb", "tflops", "mfu", ...extra}`` (``tflops``: model TFLOP/s per
+  device, ``mfu``: its share of the device's peak; null where unknown);
 - ``{"kind": "val", "step", "time", "lm_loss", "ppl"}``.
 
 Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON;
@@ -37,6 +38,8 @@ _TB_TAGS = {  # TensorBoard tag -> train record field
     "tokens-per-second": "tokens_per_s",
     "iteration-time-ms": "elapsed_ms",
     "peak-mem-mb": "peak_mem_mb",
+    "throughput/tflops-per-device": "tflops",
+    "throughput/mfu": "mfu",
 }
 
 
@@ -53,8 +56,11 @@ def format_step_line(
     skipped_iterations: int,
     tokens_per_s: float,
     peak_mem_mb: float | None,
+    tflops: float | None = None,
+    mfu: float | None = None,
 ) -> str:
-    """One Megatron-style training line (``grad_norm`` None when clipping is off and unmeasured)."""
+    """One Megatron-style training line (``grad_norm`` None when clipping is off and unmeasured;
+    ``tflops`` / ``mfu`` shown when the model's FLOPs / the device's peak are known)."""
     fields = [
         f" iteration {step:8d}/{train_steps:8d}",
         f"consumed samples: {consumed_samples:12d}",
@@ -65,8 +71,11 @@ def format_step_line(
         f"grad norm: {'n/a' if grad_norm is None else f'{grad_norm:.3f}'}",
         f"skipped iterations: {skipped_iterations:3d}",
         f"tokens/s: {tokens_per_s:.1f}",
-        f"peak mem (MB): {'n/a' if peak_mem_mb is None else f'{peak_mem_mb:.1f}'}",
     ]
+    if tflops is not None:
+        fields.append(f"throughput per device (TFLOP/s/device): {tflops:.3g}")
+        fields.append(f"MFU: {'n/a' if mfu is None else f'{mfu:.1%}'}")
+    fields.append(f"peak mem (MB): {'n/a' if peak_mem_mb is None else f'{peak_mem_mb:.1f}'}")
     return " | ".join(fields) + " |"
 
 
@@ -138,6 +147,8 @@ class MetricsLogger:
         tokens_per_s: float,
         skipped_iterations: int = 0,
         peak_mem_mb: float | None = None,
+        tflops: float | None = None,
+        mfu: float | None = None,
         extra: dict[str, Any] | None = None,
     ) -> str | None:
         """Print the step line and record it; returns the line (None on ranks != 0)."""
@@ -153,6 +164,8 @@ class MetricsLogger:
             tokens_per_s=float(tokens_per_s),
             skipped_iterations=int(skipped_iterations),
             peak_mem_mb=None if peak_mem_mb is None else float(peak_mem_mb),
+            tflops=None if tflops is None else float(tflops),
+            mfu=None if mfu is None else float(mfu),
         )
         line = format_step_line(step=step, train_steps=self.train_steps, **values)
         self._print(line)

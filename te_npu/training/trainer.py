@@ -1,18 +1,23 @@
 """Trainer: builds a model in the spec's order (section 12.1) and runs Megatron-style steps.
 
 Model-agnostic: a ``TrainTask`` says how to build, validate, initialise and score one model
-family (DeepSeek-V3's is ``models/deepseek_v3/pretrain.py``). Build order of ``setup``:
+family (DeepSeek-V3's is ``models/deepseek_v3/pretrain.py``). Build order of ``setup``
+(torchtitan's: shard before anything is allocated, then initialise each rank's shards only):
 
     preflight (device, writable dirs, the checkpoint folder's lock, which step to resume)
     -> process group -> data (headers, token ids vs the model's vocab) -> resume check (the
     step verified against its manifest, the data position mapped onto this world size)
-    -> capability gate -> meta build -> spec validation -> quantization kernel (chosen once,
-    logged) -> materialize + init
-    -> finalize low-precision weights -> shard validation + FSDP2 -> activation checkpointing
-    -> FP32-master optimizer -> DCP resume
+    -> capability gate -> meta build -> spec validation (+ HF keys) -> 8-bit weights on meta
+    -> quantization kernel (chosen once, logged) -> shard plan from the meta shapes (refused
+    before any allocation, logged once) -> FSDP2 units on meta -> allocate the local shards
+    (``to_empty``) -> activation checkpointing -> FP32-master optimizer (masters allocated)
+    -> initial values, exactly one of: DCP resume, HF initial load, random init of each shard
+    (every rank cuts its region from the same full value: no dependence on the world size)
+    -> 8-bit shards refreshed from the masters
 
 Everything before the meta build needs only the config, the data headers and the filesystem,
-so a bad input fails in seconds with a ``ConfigError``. The error path (one report, every rank
+so a bad input fails in seconds with a ``ConfigError``. No rank ever holds a full copy of the
+model: the setup peak is the resting state plus one parameter's full initial value. The error path (one report, every rank
 out fast) belongs to the entry point: ``te_npu.training.job.run_job``; ``close`` is the success
 path only (it ends with a barrier), ``abandon`` the error path's local cleanup.
 
@@ -33,17 +38,11 @@ from typing import Callable, Iterable, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import te_npu
 from te_npu import events
-from te_npu.distributed import (
-    MasterWeightOptimizer,
-    StepResult,
-    checkpoint,
-    finalize_low_precision_weights,
-    layer_units,
-    shard_model,
-)
+from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, layer_units, shard_model
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.compat import local_tensor
 from te_npu.errors import ConfigError
@@ -58,6 +57,7 @@ from te_npu.training.job import StopRequest, launch_env
 from te_npu.training.metrics_log import MetricsLogger, peak_memory_mb
 from te_npu.training.recompute import apply_activation_checkpointing
 from te_npu.training.schedule import lr_at
+from te_npu.training.throughput import default_peak_tflops, step_throughput
 
 __all__ = ["TrainTask", "Trainer", "StepRecord"]
 
@@ -79,8 +79,10 @@ class TrainTask(Protocol):
     def validate(self, model: nn.Module, cfg: TrainConfig) -> None:
         """Check the built structure against the requested spec (raise ``ConfigError``)."""
 
-    def materialize(self, model: nn.Module, *, seed: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate on ``device`` and initialise deterministically from ``seed``."""
+    def initial_value(self, model: nn.Module, fqn: str, *, seed: int) -> torch.Tensor:
+        """The full initial value of parameter or buffer ``fqn`` (its global shape; FP32 or its
+        dtype; any device), deterministic in ``seed`` and ``fqn`` alone (never in the world size
+        or in which tensors were initialised before): each rank keeps its own region of it."""
 
     def vocab_size(self, cfg: TrainConfig) -> int:
         """Token ids the model embeds (ids must be ``< vocab_size``); read from the config, no build."""
@@ -95,7 +97,9 @@ class TrainTask(Protocol):
         """Scalar training loss of one micro-batch."""
 
     # Optional: ``hf_adapter(cfg) -> te_npu.training.hf_weights.HFAdapter`` lets the run start
-    # from (``checkpoint.initial_load_path``) and export to (``last_save_format: hf``) Hugging Face.
+    # from (``checkpoint.initial_load_path``) and export to (``last_save_format: hf``) Hugging Face;
+    # ``flops_per_token(cfg) -> te_npu.training.throughput.ModelFlops`` lets the step line report
+    # TFLOP/s per device and MFU.
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,14 @@ class Trainer:
     """Set up with ``setup(cfg)``, then ``train()`` (or drive ``train_step`` / the pieces yourself)."""
 
     def __init__(self, task: TrainTask, *, print_fn=print, stop: StopRequest | None = None,
-                 subscribers: Iterable[Callable[[object], None]] = ()) -> None:
+                 subscribers: Iterable[Callable[[object], None]] = (),
+                 allocation_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         """``stop``: the job's ``StopRequest`` (signal handlers set it; see ``te_npu.training.job``).
+
+        ``allocation_context``: entered around every step of ``setup`` that creates the model's
+        tensors (meta build through initial values); the capacity estimator
+        (``te_npu.training.capacity``) passes fake tensors there, so the real setup runs and
+        allocates nothing. Default: none.
 
         ``subscribers``: ``te_npu.events`` callbacks (a metrics sink, a test probe, ...), subscribed
         from the start of ``setup`` until ``close`` / ``abandon``: they see everything the run
@@ -137,6 +147,7 @@ class Trainer:
         self._lock: FolderLock | None = None
         self._resume_path: str | None = None
         self._stop_agreed = False
+        self._allocation_context = allocation_context or contextlib.nullcontext
 
     # ---- build -------------------------------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
@@ -167,46 +178,23 @@ class Trainer:
             require_low_precision(self.recipe.format, self.device)  # only touches torch_npu on npu
         self.dtype = _DTYPES[t.param_dtype]
         torch.manual_seed(t.seed)
-
-        with torch.device("meta"):
-            model = self.task.build(cfg, self.dtype)
-        self.task.validate(model, cfg)
-        if hf_start is not None:
-            hf_weights.check_initial_keys(hf_start, model, self._hf_adapter)  # before any memory is allocated
-        # after every config check, so a bad input fails in seconds, before any native build
-        self.quant_kernel = self._choose_quant_kernel()
-        self.task.materialize(model, seed=t.seed, device=self.device, dtype=self.dtype)
-        assign_fqns(model)
-        with self._kernels():
-            initial = finalize_low_precision_weights(model, self.recipe) if self.recipe is not None else {}
-        self.shard_plan = None
-        if self.world_size > 1:
-            mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (self.world_size,))
-            # torchtitan's units: one per decoder layer (its 8-bit weights gathered in the layer's
-            # group), FP32 modules of a BF16 model apart, the embedding, final norm + lm_head
-            self.shard_plan = shard_model(
-                model,
-                mesh,
-                units=layer_units(model, self.task.layer_types(), apart=_other_dtype_modules(model, self.dtype)),
-                reshard_after_forward=cfg.fsdp_config.reshard_after_forward,
-                fallback_to_unsharded=cfg.fsdp_config.fallback_to_unsharded,
-                comm_fusion=cfg.fsdp_config.comm_fusion,
+        with self._allocation_context():
+            model = self._build_on_meta(cfg, hf_start)  # meta build, spec and HF-key checks, 8-bit weights (meta)
+            # after every config check, so a bad input fails in seconds, before any native build
+            self.quant_kernel = self._choose_quant_kernel()
+            self.shard_plan = self._shard_on_meta(model)  # plan from meta shapes, refused before any allocation
+            self._setup_step("allocate shards")
+            model.to_empty(device=self.device)  # each rank allocates its own shards only
+            if cfg.activation_checkpoint.mode == "full":
+                apply_activation_checkpointing(model, self.task.layer_types())
+            self.model = model
+            self._setup_step("optimizer state")
+            self.optimizer = MasterWeightOptimizer.for_sharded_init(
+                model, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
+                max_grad_norm=t.clip_grad or None,
             )
-        if cfg.activation_checkpoint.mode == "full":
-            apply_activation_checkpointing(model, self.task.layer_types())
-        self.model = model
-        self.optimizer = MasterWeightOptimizer(
-            model,
-            initial,
-            lr=t.lr,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_eps,
-            weight_decay=t.weight_decay,
-            max_grad_norm=t.clip_grad or None,
-        )
-        del initial  # the masters now hold the only high-precision copy of the 8-bit weights
-        if hf_start is not None:
-            self._load_initial_hf(hf_start)
+            self._setup_step("initial values")
+            self._initialize(hf_start)  # DCP resume, HF initial load or random init; then the 8-bit refresh
 
         self.logger = MetricsLogger(
             cfg.logging.dir,
@@ -217,11 +205,70 @@ class Trainer:
             print_fn=self._print,
         )
         self.logger.log_config(cfg.to_dict())
-        if self._resume_path is not None:
-            self.load_dcp(self._resume_path, verified=True)
+        flops_of = getattr(self.task, "flops_per_token", None)
+        self.model_flops = flops_of(cfg) if flops_of is not None else None
+        self.peak_tflops = t.peak_tflops or default_peak_tflops(
+            self.recipe.format.value if self.recipe is not None else None, self.device.type)
         if self.stop is not None and cfg.checkpoint.save_on_sigterm:
             self.stop.graceful = True
         return self
+
+    def _setup_step(self, name: str) -> None:
+        """Announce the next named step of ``setup`` (``SetupStepEvent``: a memory tracker's stages)."""
+        if events.has_subscribers(events.SetupStepEvent):
+            events.emit(events.SetupStepEvent(name))
+
+    def _build_on_meta(self, cfg: TrainConfig, hf_start) -> nn.Module:
+        """The model on the meta device, checked against its spec (and the HF checkpoint's keys),
+        with its TE weights turned into 8-bit weights that hold no values yet."""
+        self._setup_step("build on meta")
+        with torch.device("meta"):
+            model = self.task.build(cfg, self.dtype)
+        self.task.validate(model, cfg)
+        if hf_start is not None:
+            hf_weights.check_initial_keys(hf_start, model, self._hf_adapter)  # before any memory is allocated
+        if self.recipe is not None:
+            te_npu.quantize_weights_(model, self.recipe)
+        assign_fqns(model)
+        return model
+
+    def _shard_on_meta(self, model: nn.Module):
+        """FSDP2 units on the meta model: every parameter's shard dim planned from its shape and
+        format (``ConfigError`` naming what no dim can shard, before any allocation); the plan is
+        logged once. None on one rank."""
+        if self.world_size == 1:
+            return None
+        self._setup_step("shard on meta")
+        cfg, mesh = self.cfg, self.mesh
+        # torchtitan's units: one per decoder layer (its 8-bit weights gathered in the layer's
+        # group), FP32 modules of a BF16 model apart, the embedding, final norm + lm_head
+        plan = shard_model(
+            model,
+            mesh,
+            units=layer_units(model, self.task.layer_types(), apart=_other_dtype_modules(model, self.dtype)),
+            reshard_after_forward=cfg.fsdp_config.reshard_after_forward,
+            fallback_to_unsharded=cfg.fsdp_config.fallback_to_unsharded,
+            comm_fusion=cfg.fsdp_config.comm_fusion,
+        )
+        self._print_rank0(" " + plan.describe().replace("\n", "\n "))
+        return plan
+
+    def _initialize(self, hf_start) -> None:
+        """Write every master (and buffer) exactly once, then refresh the 8-bit shards from the
+        masters: from the DCP step to resume, else the HF checkpoint, else the task's random init
+        (each rank its own region of every full initial value). Buffers are set from the task's
+        init first (a checkpoint without them keeps those)."""
+        seed, model = self.cfg.training.seed, self.model
+        with torch.no_grad():
+            for fqn, buffer in model.named_buffers():
+                buffer.copy_(self.task.initial_value(model, fqn, seed=seed))
+        if self._resume_path is not None:
+            self.load_dcp(self._resume_path, verified=True)
+        elif hf_start is not None:
+            self._load_initial_hf(hf_start)
+        else:
+            with self._kernels():
+                self.optimizer.initialize_masters_(lambda fqn: self.task.initial_value(model, fqn, seed=seed))
 
     def _preflight(self) -> None:
         """Checks on the config, filesystem and device that give the same answer on every rank."""
@@ -293,6 +340,8 @@ class Trainer:
         else:
             getattr(torch, device_type).set_device(local_rank)
             self.device = torch.device(device_type, local_rank)
+        # the FSDP group: every rank (process-group state, made before any model tensor)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,)) if self.world_size > 1 else None
 
     def _setup_data(self) -> None:
         t, d = self.cfg.training, self.cfg.data
@@ -413,6 +462,7 @@ class Trainer:
                     elapsed_ms=record.elapsed_ms, global_batch_size=global_batch,
                     consumed_samples=self.batcher.consumed_samples, tokens_per_s=record.tokens_per_s,
                     skipped_iterations=self.skipped_iterations, peak_mem_mb=peak_memory_mb(self.device),
+                    **self._throughput(record),
                 )
             try:
                 guard.check(step, record.lm_loss, record.updated)
@@ -534,6 +584,13 @@ class Trainer:
             raise ConfigError(f"training.quant_kernel: {exc}; 'auto' falls back to eager, saying why") from None
         self._print_rank0(f" quantization kernel: {choice}")
         return choice
+
+    def _throughput(self, record: StepRecord) -> dict:
+        """``tflops`` (model TFLOP/s per device) and ``mfu`` of one step, {} without model FLOPs."""
+        if self.model_flops is None:
+            return {}
+        speed = step_throughput(self.model_flops, record.tokens_per_s, self.world_size, self.peak_tflops)
+        return {"tflops": speed["tflops"], "mfu": speed["mfu"]}
 
     def _kernels(self) -> contextlib.AbstractContextManager:
         """The run's kernel variant, active for one of the Trainer's computations (every
