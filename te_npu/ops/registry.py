@@ -7,8 +7,10 @@ A backend is a module exposing ``NAME``, ``SCALE_LAYOUT`` (the layout its quanti
 
 ``force_backend("npu")`` routes every call inside the block to one backend whatever the
 tensors' device: with a fake ``torch_npu`` installed (tests), the whole stack runs through the
-NPU wrappers on CPU tensors. Its stack (like ``te_npu.events``' subscriptions) is process state, meant for
-tests and diagnostics; nothing in te_npu enters it by itself.
+NPU wrappers on CPU tensors. It also takes a backend object (anything exposing the names
+above), e.g. the capacity estimator's emulation that marks each kernel call for its memory
+tracker (``te_npu.training.capacity``). Its stack (like ``te_npu.events``' subscriptions) is
+process state, meant for tests and diagnostics; nothing in te_npu enters it by itself.
 """
 from __future__ import annotations
 
@@ -34,16 +36,21 @@ def device_type(device: torch.device | str) -> str:
 
 
 @contextlib.contextmanager
-def force_backend(name: str) -> Iterator[None]:
+def force_backend(name: str | ModuleType) -> Iterator[None]:
     """Run every te_npu quantization and GEMM inside the block on backend ``name`` ("npu" or
-    "emulation"), whatever the tensors' device; nestable (the innermost wins).
+    "emulation", or a backend object with a ``NAME``), whatever the tensors' device; nestable
+    (the innermost wins).
 
         with te_npu.ops.force_backend("npu"):    # CPU tensors through te_npu/ops/npu.py
             loss = model(tokens).loss            # (needs a torch_npu: the real one or a fake)
     """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; known: {sorted(BACKENDS)}")
-    _FORCED.append(name)
+    if isinstance(name, str):
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; known: {sorted(BACKENDS)}")
+        backend = BACKENDS[name]
+    else:
+        backend = name
+    _FORCED.append(backend)
     try:
         yield
     finally:
@@ -51,16 +58,17 @@ def force_backend(name: str) -> Iterator[None]:
 
 
 def forced_backend() -> str | None:
-    """The backend name a ``force_backend`` block imposes now, or None."""
-    return _FORCED[-1] if _FORCED else None
+    """The name (``NAME``) of the backend a ``force_backend`` block imposes now, or None."""
+    return _FORCED[-1].NAME if _FORCED else None
 
 
 def backend_for(device: torch.device | str, override: str | None = None) -> ModuleType:
     """The backend for tensors on ``device``: ``override`` ("emulation"/"npu") if given, else
     the innermost ``force_backend`` block's, else by device type."""
-    name = override if override is not None else forced_backend()
-    if name is not None:
-        if name not in BACKENDS:
-            raise ValueError(f"unknown backend {name!r}; known: {sorted(BACKENDS)}")
-        return BACKENDS[name]
+    if override is not None:
+        if override not in BACKENDS:
+            raise ValueError(f"unknown backend {override!r}; known: {sorted(BACKENDS)}")
+        return BACKENDS[override]
+    if _FORCED:
+        return _FORCED[-1]
     return _BY_DEVICE_TYPE.get(device_type(device), emulation)

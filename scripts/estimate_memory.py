@@ -1,0 +1,63 @@
+"""Per-rank memory of a DeepSeek-V3 recipe, from the real Trainer setup and one step on fake tensors.
+
+    python scripts/estimate_memory.py --config recipes/dsv3_16b_mxfp8.yaml --world 8
+    python scripts/estimate_memory.py --config recipes/dsv3_16b_hif8.yaml --world 16 --json out.json --hbm-gb 144
+    python scripts/estimate_memory.py --config recipes/dsv3_tiny_mxfp8.yaml --world 2 --micro 1 training.seq_len=128
+
+Runs here, on the CPU, allocating nothing (``te_npu.training.capacity``: FakeTensorMode and
+torch's fake process group, rank 0 of ``--world``): the config checks, the shard plan, FSDP2
+on meta, the local shards, masters and moments, the initial values, ``--micro`` micro-batches
+(default: the recipe's accumulation) and one optimizer step. Prints bytes per stage and per
+category and a fit verdict against ``--hbm-gb`` (default: one Ascend 950DT, 144 GB).
+``--measure`` runs the same on real CPU tensors and prints each stage's measured peak RSS next
+to the estimate (small models only: it allocates rank 0's shards for real).
+Exit code: 0 fits, 1 does not fit, 2 configuration error (one line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.deepseek_v3.model_section import DeepseekV3ModelSection  # noqa: E402
+from models.deepseek_v3.pretrain import DeepseekV3Task  # noqa: E402
+from te_npu.errors import ConfigError  # noqa: E402
+from te_npu.training.capacity import ASCEND_950DT_HBM_GB, estimate, estimation_overrides  # noqa: E402
+from te_npu.training.config import load_config  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/dsv3_16b_mxfp8.yaml")
+    parser.add_argument("--world", type=int, required=True, help="FSDP2 world size to plan for (ranks)")
+    parser.add_argument("--micro", type=int, default=None, help="micro-batches to run (default: the recipe's accumulation)")
+    parser.add_argument("--hbm-gb", type=float, default=ASCEND_950DT_HBM_GB,
+                        help=f"HBM per device in GB (10**9 bytes; default {ASCEND_950DT_HBM_GB}: Ascend 950DT)")
+    parser.add_argument("--json", default=None, help="also write the report as JSON here")
+    parser.add_argument("--measure", action="store_true",
+                        help="run on real CPU tensors instead and read each stage's peak RSS (Linux): checks the estimate")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.seq_len=2048")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="te_npu_estimate_") as workdir:
+        try:
+            cfg = load_config(args.config, [*args.overrides, *estimation_overrides(args.world, workdir)],
+                              model_section=DeepseekV3ModelSection)
+            report = estimate(cfg, DeepseekV3Task(), world_size=args.world, micro_batches=args.micro,
+                              hbm_bytes=int(args.hbm_gb * 10**9), config_name=args.config, measure=args.measure)
+        except ConfigError as exc:
+            print(f"ConfigError: {exc}", file=sys.stderr)
+            return 2
+    print(report.render())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.as_dict(), f, indent=2)
+            f.write("\n")
+    return 0 if report.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

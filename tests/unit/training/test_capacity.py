@@ -1,0 +1,98 @@
+"""The capacity estimate runs the real Trainer setup and one step on fake tensors: its resting
+bytes equal the parameter arithmetic of the shard plan, its setup peak is the resting state plus
+one parameter's full initial value, and its categories add up at every peak."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models.deepseek_v3.config import DSV3_16B_NUM_PARAMS
+from models.deepseek_v3.pretrain import DeepseekV3Task, model_config
+from models.deepseek_v3.model import DeepseekV3ForCausalLM, low_precision_scope
+from te_npu.training.capacity import estimate, estimation_overrides
+from te_npu.training.config import load_config
+from tests.system.harness import REPO, TINY_MODEL_OVERRIDES
+
+MX_BYTES_PER_ELEMENT = 2 + 2 / 32  # row + col E4M3 codes, one E8M0 code per 32 of each
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def _expected_resting(cfg, world: int, fmt: str | None) -> int:
+    """Per-rank bytes of a fully sharded plan, counted from the meta model: every parameter's
+    weight (8-bit for TE GEMM weights), FP32 master and two moments divided by the world size,
+    AdamW's step scalar and the buffers on every rank."""
+    param_bytes = DTYPE_BYTES[cfg.training.param_dtype]
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(model_config(cfg), dtype=torch.float32)
+    te_weights = _te_weight_fqns(model)
+    total = 0.0
+    for fqn, p in model.named_parameters():
+        n = p.numel()
+        if fqn in te_weights and fmt == "mxfp8":
+            weight = n * MX_BYTES_PER_ELEMENT
+        elif fqn in te_weights and fmt == "hif8":
+            weight = n + (4 * world if p.dim() == 2 else 4 * p.shape[0])  # codes + scalar (per rank) or [E] scales
+        else:
+            weight = n * (4 if ".gate.weight" in fqn else param_bytes)  # the router stays FP32
+        total += (weight + 12 * n) / world + 4
+    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    assert total == math.floor(total)
+    return int(total)
+
+
+def _te_weight_fqns(model) -> set[str]:
+    """The GEMM weights of the model's TE modules (the model carries no TE biases)."""
+    return {f"{module}.{name}" for module in low_precision_scope(model)
+            for name, _ in model.get_submodule(module).named_parameters(recurse=False)}
+
+
+def test_estimate_tiny_resting_bytes_equal_the_parameter_arithmetic(tmp_path):
+    world = 2
+    overrides = [TINY_MODEL_OVERRIDES, "training.seq_len=64", "training.micro_batch_size=2",
+                 f"data.cache_dir={tmp_path / 'data'}", f"data.max_bytes={2**18}",
+                 *estimation_overrides(world, str(tmp_path))]
+    cfg = load_config(REPO / "recipes" / "dsv3_tiny_mxfp8.yaml", overrides, model_section=DeepseekV3Task.model_section)
+    report = estimate(cfg, DeepseekV3Task(), world_size=world, micro_batches=2)
+    assert report.replicated_params == {}
+    assert report.resting_bytes == _expected_resting(cfg, world, "mxfp8")
+    # setup never holds more than the resting state plus the largest parameter's full FP32 value
+    # (its initial value) and that value's local region in the parameter's dtype
+    largest = max(p.numel() for p in DeepseekV3ForCausalLM(model_config(cfg)).parameters())
+    assert report.setup_peak_bytes <= report.resting_bytes + largest * (4 + 4 / world)
+    for stage in report.stages:
+        assert sum(stage.peak_by_category.values()) == stage.peak_bytes, stage.name
+    names = [s.name for s in report.stages]
+    assert names[1:6] == ["setup: build on meta", "setup: shard on meta", "setup: allocate shards",
+                          "setup: optimizer state", "setup: initial values"]
+    assert "micro-batch 2 backward" in names and names[-2:] == ["optimizer step", "after the step"]
+    data = report.as_dict()
+    assert {"setup_peak_bytes", "step_peak_bytes", "resting_bytes", "replicated_params", "stages"} <= data.keys()
+    assert data["resting_by_category"]["8-bit weights"] > 0 and data["fits"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["mxfp8", "hif8", "bf16"])
+def test_estimate_16b_recipe_as_shipped_fits_at_world_8(fmt, tmp_path):
+    """scripts/estimate_memory.py on recipes/dsv3_16b_<fmt>.yaml at --world 8 (one micro-batch):
+    exit 0 (fits an Ascend 950DT), fully sharded (no replica), setup peak <= 1.10x step peak,
+    resting bytes = the parameter arithmetic (16,161,832,960 TE GEMM weights of 16,585,005,056)."""
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "estimate_memory.py"), "--config",
+                           str(REPO / "recipes" / f"dsv3_16b_{fmt}.yaml"), "--world", "8", "--micro", "1",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=3000)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["replicated_params"] == {}
+    assert report["setup_peak_bytes"] <= 1.10 * report["step_peak_bytes"]
+    cfg = load_config(REPO / "recipes" / f"dsv3_16b_{fmt}.yaml", estimation_overrides(8, str(tmp_path)),
+                      model_section=DeepseekV3Task.model_section)
+    assert report["resting_bytes"] == _expected_resting(cfg, 8, None if fmt == "bf16" else fmt)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(model_config(cfg), dtype=torch.bfloat16)
+    te_numel = sum(model.get_parameter(fqn).numel() for fqn in _te_weight_fqns(model))
+    assert te_numel == 16_161_832_960 and sum(p.numel() for p in model.parameters()) == DSV3_16B_NUM_PARAMS
