@@ -5,16 +5,16 @@ high-precision values, never from 8-bit weights)::
 
     setup: ... -> [open + check the directory and config.json]        before anything is built
            meta build -> validate -> [check every key and shape]      before any memory is allocated
-           materialize -> finalize 8-bit -> FSDP2 -> optimizer
+           8-bit weights on meta -> shard plan -> FSDP2 on meta -> local shards -> optimizer
            -> [HF values -> FP32 master shards + buffers]             each rank reads its shards only
-           -> [8-bit shards re-quantized from the masters]            the refresh route of every step
-           -> data -> DCP resume (a run with its own ``latest`` resumes and never reads HF)
+           -> [8-bit shards quantized from the masters]               the refresh route of every step
 
 The masters are DTensors sharded like their parameters, so DCP's HF reader fills each rank's
 master shard straight from the safetensors slices it needs (a BF16 file lands exactly in FP32);
-the 8-bit shards built from the random init at finalize are then re-derived from those masters
-by ``MasterWeightOptimizer.rebuild_weights_from_masters`` -- the same route as a DCP resume --
-so no 8-bit value ever feeds a master, and no rank holds the whole checkpoint.
+the 8-bit shards, allocated but never written until then, are derived from those masters by
+``MasterWeightOptimizer.rebuild_weights_from_masters`` -- the same route as a DCP resume -- so
+no random init runs, no 8-bit value ever feeds a master, and no rank holds the whole
+checkpoint. (A run with its own ``latest`` resumes from it and never reads the HF directory.)
 
 A ``TrainTask`` offers HF support through ``hf_adapter(cfg)`` returning an ``HFAdapter``; the
 model family's key mapping stays declarative on its side (te_npu never imports ``models/``).

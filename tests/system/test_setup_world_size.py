@@ -1,16 +1,15 @@
 """Sharded setup (meta build -> FSDP2 on meta -> local shards -> each rank's region of every
 initial value): the full weights after ``Trainer.setup`` are bitwise the same at W = 1, 2, 4.
 
-Each rank returns its local shards; rank 0 of each world size reassembles every FP32 master,
+Each rank returns its local shards as bytes; the test reassembles every FP32 master,
 high-precision parameter and 8-bit payload (inner tensors concatenated along the parameter's
-shard dim) and the test compares them with the one-rank run, bit for bit. MXFP8 at W = 4 keeps
+shard dim) and compares them with the one-rank run, bit for bit. MXFP8 at W = 4 keeps
 the tiny model's 128 x 128 weights replicated (no dim gives 64-row / 64-column pairs there).
 """
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from te_npu.compat import local_tensor
 from te_npu.tensor import QuantizedWeightTensor
@@ -21,7 +20,7 @@ WORLDS = (1, 2, 4)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
+    t = t.detach().cpu().contiguous().clone()
     return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
@@ -34,48 +33,49 @@ def _setup_worker(rank, world, workdir, fmt, data_dir):
         extra.append("fsdp_config.fallback_to_unsharded=true")
     trainer = Trainer(DeepseekV3Task(), print_fn=lambda line: None)
     trainer.setup(st_config(fmt, workdir, data_dir, *extra))
-    dims = dict(trainer.shard_plan.dims) if trainer.shard_plan else {}
-    local = {}
+    local, scalars = {}, set()
     for fqn, param in trainer.model.named_parameters():
         shard = local_tensor(param)
         if isinstance(shard, QuantizedWeightTensor):
-            fields = {n: getattr(shard, n).detach().clone() for n in shard.inner_field_names()}
+            fields = {n: _bits(getattr(shard, n)) for n in shard.inner_field_names()}
+            scalars.update((fqn, n) for n in shard.inner_field_names() if getattr(shard, n).dim() == 0)
         else:
-            fields = {"value": shard.detach().clone()}
-        local[fqn] = {"master": local_tensor(trainer.optimizer.masters[fqn]).detach().clone(), **fields}
-    buffers = {fqn: b.detach().clone() for fqn, b in trainer.model.named_buffers()}
-    parts = [None] * world
-    dist.all_gather_object(parts, local) if world > 1 else parts.__setitem__(0, local)
+            fields = {"value": _bits(shard)}
+        local[fqn] = {"master": _bits(local_tensor(trainer.optimizer.masters[fqn])), **fields}
+    buffers = {fqn: _bits(b) for fqn, b in trainer.model.named_buffers()}
+    dims = dict(trainer.shard_plan.dims) if trainer.shard_plan else {}
     trainer.close()
-    if rank != 0:
-        return None
-    full = {}
-    for fqn in local:
-        dim = dims.get(fqn)
+    return {"local": local, "buffers": buffers, "dims": dims, "scalars": scalars}
+
+
+def _assemble(ranks: list[dict]) -> dict:
+    """Every tensor's full bits: the ranks' pieces concatenated along the parameter's shard dim
+    (byte views concatenate like their elements); a replicated tensor or a shared scalar scale
+    is rank 0's."""
+    dims, full = ranks[0]["dims"], {}
+    for fqn, fields in ranks[0]["local"].items():
         full[fqn] = {}
-        for name, value in local[fqn].items():
-            pieces = [p[fqn][name] for p in parts]
-            if dim is None or value.dim() == 0:  # replicated (or one rank), or a shared scalar scale
-                whole = pieces[0]
-            else:
-                whole = torch.cat(pieces, dim=dim)
-            full[fqn][name] = _bits(whole)
-    return {"weights": full, "buffers": {k: _bits(v) for k, v in buffers.items()}, "dims": dims}
+        for name, bits in fields.items():
+            dim = dims.get(fqn)
+            pieces = [r["local"][fqn][name] for r in ranks]
+            shared = dim is None or (fqn, name) in ranks[0]["scalars"]
+            full[fqn][name] = bits if shared else torch.cat(pieces, dim=dim)
+    return full
 
 
 def _check_world_size_independent(fmt, tmp_path):
     data_dir = tmp_path / "data"
-    results = {w: run_ranks(_setup_worker, w, tmp_path / f"w{w}", fmt, data_dir)[0] for w in WORLDS}
-    reference = results[1]
+    results = {w: run_ranks(_setup_worker, w, tmp_path / f"w{w}", fmt, data_dir) for w in WORLDS}
+    reference = _assemble(results[1])
     for world in WORLDS[1:]:
-        got = results[world]
-        assert got["weights"].keys() == reference["weights"].keys()
-        for fqn, fields in reference["weights"].items():
+        got = _assemble(results[world])
+        assert got.keys() == reference.keys()
+        for fqn, fields in reference.items():
             for name, bits in fields.items():
-                assert torch.equal(got["weights"][fqn][name], bits), f"W={world}: {fqn}.{name} differs from W=1"
-        for fqn, bits in reference["buffers"].items():
-            assert torch.equal(got["buffers"][fqn], bits), f"W={world}: buffer {fqn}"
-    return results
+                assert torch.equal(got[fqn][name], bits), f"W={world}: {fqn}.{name} differs from W=1"
+        for fqn, bits in results[1][0]["buffers"].items():
+            assert torch.equal(results[world][0]["buffers"][fqn], bits), f"W={world}: buffer {fqn}"
+    return {w: r[0] for w, r in results.items()}
 
 
 def test_setup_weights_are_bitwise_independent_of_world_size_mxfp8(tmp_path):
