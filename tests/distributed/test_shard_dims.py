@@ -87,7 +87,7 @@ def _worker(rank, world, workdir, reshard):
     return out
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+@pytest.mark.parametrize("reshard", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["reshard", "keep"])
 def test_shard_dim1_mxfp8_equals_unsharded_and_sends_scales_once_per_refresh(reshard, tmp_path):
     results = run_ranks(_worker, 2, tmp_path, reshard)
     for rank, res in enumerate(results):
