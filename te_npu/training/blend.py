@@ -169,7 +169,7 @@ class TokenBlend:
         for part, n in zip(self.parts, counts):
             if n == 0:
                 raise ValueError(f"{part.key}: {part.data.describe()} ({len(part.data)} tokens) holds no sample of "
-                                 f"seq_len {seq_len} + 1 tokens")
+                                 f"seq_len + 1 = {seq_len + 1} tokens")
         return counts
 
 
