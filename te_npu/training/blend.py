@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from te_npu.errors import ConfigError
+from te_npu.training.token_dataset import split_windows
 
 __all__ = [
     "BlendPart",
@@ -138,7 +139,7 @@ def blending_indices(weights: Sequence[float], counts: list[int], start: int, si
 
 @dataclass(frozen=True)
 class BlendPart:
-    """One dataset of a blend: ``data`` (a token split with ``num_samples`` / ``windows``, e.g.
+    """One dataset of a blend: ``data`` (a token split with ``num_samples`` / ``window_array``, e.g.
     ``TokenDataset``), its raw ``weight`` and ``key``, the config path errors name
     (``data.blend[1]``)."""
 
@@ -205,13 +206,12 @@ class _BlendStream:
 
     def windows(self, dataset: np.ndarray, sample: np.ndarray, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [B, S], labels [B, S])`` int64 of the given samples, in their order."""
-        x_BS = torch.empty(len(sample), self.seq_len, dtype=torch.int64)
-        y_BS = torch.empty_like(x_BS)
+        window_BS1 = np.empty((len(sample), self.seq_len + 1), dtype=np.int64)
         for i in np.unique(dataset).tolist():
             rows = np.flatnonzero(dataset == i)
-            x, y = self.blend.parts[i].data.windows(sample[rows].tolist(), self.seq_len, vocab_size=vocab_size)
-            x_BS[torch.from_numpy(rows)], y_BS[torch.from_numpy(rows)] = x, y
-        return x_BS, y_BS
+            window_BS1[rows] = self.blend.parts[i].data.window_array(sample[rows].tolist(), self.seq_len,
+                                                                     vocab_size=vocab_size)
+        return split_windows(window_BS1)
 
 
 class BlendBatcher:

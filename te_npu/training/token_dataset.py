@@ -36,6 +36,7 @@ __all__ = [
     "token_dtype",
     "byte_tokenize",
     "first_invalid_id",
+    "split_windows",
     "describe_invalid_id",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -149,8 +150,13 @@ class TokenDataset:
         """Samples ``indices`` -> ``(input_ids [B, S], labels [B, S])`` int64 (labels shifted).
 
         ``vocab_size``: raise ``ValueError`` naming the file and token offset if a sampled id
-        is ``>= vocab_size`` (a cheap max over the batch; the embedding would index out of range).
+        is ``>= vocab_size``, negative or fractional (a cheap max over the batch; the embedding
+        would index out of range).
         """
+        return split_windows(self.window_array(indices, seq_len, vocab_size=vocab_size))
+
+    def window_array(self, indices: Iterable[int], seq_len: int, *, vocab_size: int | None = None) -> np.ndarray:
+        """The raw windows of ``windows``: ``[B, S + 1]`` int64, checked the same way."""
         indices = list(indices)
         raw_BS1 = np.stack([self.tokens[i * seq_len : i * seq_len + seq_len + 1] for i in indices])
         if vocab_size is not None:
@@ -161,8 +167,7 @@ class TokenDataset:
                     f"{self.describe()}: token id {bad[1]} at token offset {self.start + indices[b] * seq_len + s} "
                     f"(sample {indices[b]}) {describe_invalid_id(bad[1], vocab_size)}"
                 )
-        window_BS1 = torch.from_numpy(raw_BS1.astype(np.int64))
-        return window_BS1[:, :-1].contiguous(), window_BS1[:, 1:].contiguous()
+        return raw_BS1.astype(np.int64)
 
     def describe(self) -> str:
         """``<prefix>.bin`` (plus the token range when this is a slice of it)."""
@@ -183,6 +188,12 @@ class TokenDataset:
             if bad is not None:
                 return self.start + begin + bad[0], bad[1]
         return None
+
+
+def split_windows(window_BS1: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, S + 1]`` windows -> ``(input_ids [B, S], labels [B, S])`` int64 tensors (labels shifted)."""
+    window_BS1 = torch.from_numpy(np.ascontiguousarray(window_BS1, dtype=np.int64))
+    return window_BS1[:, :-1].contiguous(), window_BS1[:, 1:].contiguous()
 
 
 def byte_tokenize(data: bytes) -> np.ndarray:
