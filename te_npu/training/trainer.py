@@ -299,11 +299,12 @@ class Trainer:
         vocabulary, the sampler; every problem a one-line ``ConfigError`` naming its ``data.*`` key."""
         t, d = self.cfg.training, self.cfg.data
         self.vocab_size = self.task.vocab_size(self.cfg)
+        splits = None
         if DATA_KINDS[d.kind].writes_cache:
-            if self.rank == 0:
-                build_splits(d, self.vocab_size, progress=True)  # build / verify the cache before the others read
+            if self.rank == 0:  # builds / verifies the cache before the others read it
+                splits = build_splits(d, self.vocab_size, progress=True)
             self._barrier()
-        splits = build_splits(d, self.vocab_size)
+        splits = splits or build_splits(d, self.vocab_size)
         self.train_data, self.val_data = splits.train, splits.val
         for dataset, key in ((splits.train, splits.train_key), (splits.val, splits.val_key)):
             note = check_token_ids(dataset, self.vocab_size, key)
