@@ -269,7 +269,8 @@ class DataConfig:
     files, a folder of them, or a ``save_to_disk`` folder), column ``text_key`` of split
     ``hf_split``, tokenized with the local ``tokenizer`` folder once into a cached Megatron
     indexed dataset under ``cache_dir``; validation from ``val_path`` or ``split``
-    (``te_npu.training.hf_data``).
+    (``te_npu.training.hf_data``); ``streaming: true`` tokenizes on the fly instead, in order
+    (``shuffle: false``), validation from ``val_path`` (``te_npu.training.hf_stream``).
     """
 
     kind: str = "stdlib"
@@ -286,6 +287,7 @@ class DataConfig:
     tokenizer: str | None = None
     text_key: str = "text"
     hf_split: str = "train"
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         check_data_config(self)

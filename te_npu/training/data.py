@@ -34,6 +34,7 @@ import numpy as np
 from te_npu.errors import ConfigError
 from te_npu.training import hf_data, megatron_data
 from te_npu.training.blend import TokenBlend
+from te_npu.training.hf_stream import HFStream
 from te_npu.training.splits import DataSplits
 from te_npu.training.sampling import TokenBatcher, make_batcher, validation_batches
 from te_npu.training.token_dataset import (
@@ -205,8 +206,8 @@ class DataKind:
     writes_cache: bool = False
 
 
-OPTIONAL_KEYS = ("path", "val_path", "blend", "val_blend", "split", "tokenizer")
-"""``data.*`` keys that mean something for some kinds only (None when unset)."""
+OPTIONAL_KEYS = ("path", "val_path", "blend", "val_blend", "split", "tokenizer", "streaming")
+"""``data.*`` keys that mean something for some kinds only (None when unset; false for ``streaming``)."""
 
 
 def _build_stdlib(d: Any, vocab_size: int | None, progress: bool) -> DataSplits:
@@ -256,7 +257,7 @@ def check_data_config(d: Any) -> None:
     if kind is None:
         raise ConfigError(f"data.kind: {d.kind!r} is not supported; allowed values are {list(DATA_KINDS)}")
     for key in OPTIONAL_KEYS:
-        if getattr(d, key) is not None and key not in kind.keys:
+        if getattr(d, key) not in (None, False) and key not in kind.keys:
             users = [name for name, k in DATA_KINDS.items() if key in k.keys]
             raise ConfigError(f"data.{key}: only used with data.kind {' / '.join(map(repr, users))} "
                               f"(data.kind is {d.kind!r})")
@@ -299,6 +300,9 @@ def check_token_ids(data: TokenDataset | TokenBlend, vocab_size: int, key: str) 
     if isinstance(data, TokenBlend):
         notes = [check_token_ids(part.data, vocab_size, part.key) for part in data.parts]
         return "; ".join(n for n in notes if n) or None
+    if isinstance(data, HFStream):  # nothing to read ahead; load_tokenizer checked its vocabulary
+        return (f"{key}: {data.describe()} is tokenized as it is read: its {data.vocab_size}-id tokenizer fits the "
+                f"model's vocab_size {vocab_size}, and every batch is checked exactly")
     header_vocab = data.vocab_size
     if header_vocab is not None and header_vocab > vocab_size:
         raise ConfigError(

@@ -10,6 +10,7 @@ Megatron indexed dataset, then read like ``data.kind: megatron``.
       hf_split: train               # the dataset's split to read
       split: "969,30,1"             # train / valid / test by documents, or val_path: another dataset
       cache_dir: data_cache         # the tokenized cache lives in <cache_dir>/hf/
+      streaming: false              # true: tokenize on the fly, no cache (``hf_stream``)
 
 Before anything is read, the tokenizer is loaded (``local_files_only``) and its vocabulary
 (``len(tokenizer)``, added tokens included) must fit the model's ``vocab_size``. The cache key is
@@ -38,14 +39,15 @@ from typing import Any
 import numpy as np
 
 from te_npu.errors import ConfigError
+from te_npu.training.hf_stream import HFStream, fingerprint
 from te_npu.training.indexed_dataset import MegatronIndexedDataset, index_paths, smallest_token_dtype, \
     write_indexed_dataset
 from te_npu.training.megatron_data import check_validation_keys, document_split, open_indexed
 from te_npu.training.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split
 
-__all__ = ["KEYS", "check_config", "build_hf", "tokenized_cache", "data_files", "BUILDERS"]
+__all__ = ["KEYS", "check_config", "build_hf", "load_tokenizer", "tokenized_cache", "open_stream", "data_files", "BUILDERS"]
 
-KEYS = frozenset({"path", "val_path", "split", "tokenizer"})
+KEYS = frozenset({"path", "val_path", "split", "tokenizer", "streaming"})
 """The optional ``data.*`` keys this kind reads (besides ``text_key``, ``hf_split``, ``cache_dir``)."""
 
 CACHE_FORMAT, CACHE_VERSION = "te_npu.hf_tokens", 1
@@ -67,11 +69,22 @@ def check_config(d: Any) -> None:
         raise ConfigError("data.tokenizer: required when data.kind is 'hf' (a local tokenizer folder for "
                           "transformers.AutoTokenizer)")
     check_validation_keys(d)
+    if d.streaming:
+        if d.shuffle:
+            raise ConfigError("data.shuffle: a streamed dataset is read in order; set data.shuffle=false, or "
+                              "tokenize it into the cache (data.streaming=false) for shuffled samples")
+        if d.val_path is None:
+            raise ConfigError("data.val_path: required with data.streaming (a stream has no document count to "
+                              "split; name a validation dataset)")
 
 
 def build_hf(d: Any, vocab_size: int | None, progress: bool) -> DataSplits:
     """The ``data`` section -> train / validation splits, tokenizing into the cache where needed."""
     tokenizer = load_tokenizer(d.tokenizer, vocab_size)
+    if d.streaming:
+        return DataSplits(open_stream(d.path, "data.path", tokenizer, d), open_stream(d.val_path, "data.val_path",
+                                                                                      tokenizer, d),
+                          "data.path", "data.val_path")
     train_prefix = tokenized_cache(d.path, "data.path", tokenizer, d, progress=progress)
     meta = _tokenizer_meta(tokenizer)
     train_data = open_indexed(str(train_prefix), "data.path")
@@ -129,6 +142,18 @@ def tokenized_cache(source: str, key: str, tokenizer: Any, d: Any, *, progress: 
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, record_path)
     return prefix
+
+
+def open_stream(source: str, key: str, tokenizer: Any, d: Any) -> HFStream:
+    """``source`` as an ``HFStream``: its files found and its first row read now (a missing
+    column fails before the model is built), tokenized as the trainer reads it."""
+    files, saved = data_files(source, key)
+
+    def documents() -> Iterator[np.ndarray]:
+        return _tokenized_documents(source, key, files, saved, tokenizer, d, progress=False)
+
+    next(documents(), None)  # opens the dataset and checks the first rows' column
+    return HFStream(source, key, documents, len(tokenizer), fingerprint(files, len(tokenizer), d.text_key))
 
 
 def data_files(source: str, key: str) -> tuple[list[Path], bool]:

@@ -1,6 +1,7 @@
 """Deterministic, resumable samplers over token splits: ``TokenBatcher`` (one split, epochs of
-shuffled windows), ``BlendBatcher`` (a weighted blend, ``te_npu.training.blend``) and the fixed
-validation batches; ``make_batcher`` / ``validation_batches`` pick the one a split needs.
+shuffled windows), ``BlendBatcher`` (a weighted blend, ``te_npu.training.blend``),
+``StreamBatcher`` (a streamed HF dataset, ``te_npu.training.hf_stream``) and the fixed validation
+batches; ``make_batcher`` / ``validation_batches`` pick the one a split needs.
 
 A sample is a window of ``seq_len + 1`` tokens (``TokenDataset.windows``): ``input_ids =
 window[:-1]``, ``labels = window[1:]`` (already shifted, Megatron's convention).
@@ -17,8 +18,9 @@ import numpy as np
 import torch
 
 from te_npu.training.blend import BlendBatcher, TokenBlend, blend_validation_batches
+from te_npu.training.hf_stream import HFStream, StreamBatcher, stream_validation_batches
 
-__all__ = ["TokenBatcher", "BlendBatcher", "make_batcher", "validation_batches"]
+__all__ = ["TokenBatcher", "BlendBatcher", "StreamBatcher", "make_batcher", "validation_batches"]
 
 
 
@@ -176,10 +178,14 @@ def _window_validation_batches(
                               vocab_size=vocab_size)
 
 
+_SAMPLERS = ((TokenBlend, BlendBatcher), (HFStream, StreamBatcher))
+"""Split type -> its sampler (anything else: ``TokenBatcher``)."""
+
+
 def make_batcher(data: Any, micro_batch_size: int, seq_len: int, **kwargs: Any) -> TokenBatcher | BlendBatcher:
     """The sampler of a train split: ``BlendBatcher`` for a ``TokenBlend``, else ``TokenBatcher``
     (``kwargs``: ``seed``, ``rank``, ``world_size``, ``shuffle``, ``vocab_size``)."""
-    cls = BlendBatcher if isinstance(data, TokenBlend) else TokenBatcher
+    cls = next((batcher for kind, batcher in _SAMPLERS if isinstance(data, kind)), TokenBatcher)
     return cls(data, micro_batch_size, seq_len, **kwargs)
 
 
@@ -193,6 +199,9 @@ def validation_batches(
     when the split is short (every rank the same count) and raises ``ValueError`` if it has none.
     A blend: the start of its stream (``blend_validation_batches``), each dataset in file order.
     """
+    if isinstance(data, HFStream):
+        return stream_validation_batches(data, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
+                                         world_size=world_size, vocab_size=vocab_size)
     if isinstance(data, TokenBlend):
         return blend_validation_batches(data, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
                                         world_size=world_size, vocab_size=vocab_size)

@@ -2,13 +2,15 @@
 tokenized once into a cached Megatron indexed dataset; vocabulary, column and cache rules."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from te_npu import ConfigError
+from te_npu.training.config import DataConfig
 from te_npu.training.data import build_splits, check_token_ids
 from te_npu.training.indexed_dataset import MegatronIndexedDataset
 
@@ -52,11 +54,9 @@ def write_hf_corpus(root: Path, documents, kind: str = "parquet") -> tuple[Path,
     return path, write_tokenizer(root / "tokenizer", texts)
 
 
-def hf_cfg(tmp_path, data_path, tokenizer_dir, **fields):
-    base = dict(kind="hf", path=str(data_path), val_path=None, blend=None, val_blend=None, split=None, val_fraction=0.05,
-                cache_dir=str(tmp_path / "cache"), max_bytes=2**20, include_tests=False, shuffle=True,
-                tokenizer=str(tokenizer_dir), text_key="text", hf_split="train")
-    return SimpleNamespace(**{**base, **fields})
+def hf_cfg(tmp_path, data_path, tokenizer_dir, **fields) -> DataConfig:
+    return DataConfig(**{"kind": "hf", "path": str(data_path), "tokenizer": str(tokenizer_dir),
+                         "cache_dir": str(tmp_path / "cache"), **fields})
 
 
 def expected_tokens(tokenizer_dir, texts):
@@ -123,3 +123,84 @@ def test_hf_bad_input_is_one_config_error(tmp_path, case, message):
     with pytest.raises(ConfigError, match=message) as err:
         build_splits(hf_cfg(tmp_path, path, tokenizer, **fields[case]), vocab_size=256)
     assert "\n" not in str(err.value)
+
+
+# ---- data.streaming: true ------------------------------------------------------------------------
+
+
+def stream_splits(tmp_path, **fields):
+    """Train on ``TEXTS[:30]`` (two jsonl files), validate on the rest, in order; written once per test."""
+    path, val = tmp_path / "corpus_jsonl", tmp_path / "val.jsonl"
+    if not val.exists():
+        write_hf_corpus(tmp_path, TEXTS[:30], "jsonl")
+        datasets.Dataset.from_dict({"text": TEXTS[30:]}).to_json(str(val), lines=True)
+    cfg = hf_cfg(tmp_path, path, tmp_path / "tokenizer", val_path=str(val), shuffle=False, **fields)
+    return build_splits(cfg, vocab_size=256), cfg
+
+
+def test_streamed_windows_are_the_cached_windows_in_file_order(tmp_path):
+    from te_npu.training.sampling import make_batcher
+
+    streamed, _ = stream_splits(tmp_path, streaming=True)
+    cached, _ = stream_splits(tmp_path)
+    a = make_batcher(streamed.train, 2, 16, seed=0, shuffle=False, vocab_size=256)
+    b = make_batcher(cached.train, 2, 16, seed=0, shuffle=False, vocab_size=256)
+    for _ in range(b.batches_per_epoch):
+        x, y = next(a)
+        x_ref, y_ref = next(b)
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    assert "is tokenized as it is read" in check_token_ids(streamed.train, 256, "data.path")
+
+
+def test_streaming_writes_no_cache(tmp_path):
+    stream_splits(tmp_path, streaming=True)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [((2, 2), (1, 4)), ((1, 3), (2, 1))], ids=["2x2->1x4", "1x3->2x1"])
+def test_stream_batcher_resumes_exactly_on_any_layout_across_epochs(tmp_path, saved, resumed):
+    from te_npu.training.hf_stream import StreamBatcher
+
+    splits, _ = stream_splits(tmp_path, streaming=True)
+    continuous = StreamBatcher(splits.train, 1, 16, seed=0)
+    reference = [next(continuous)[0] for _ in range(400)]  # several passes: the corpus holds ~150 windows
+    assert continuous.state_dict()["epoch"] >= 2
+    (w0, b0), (w1, b1) = saved, resumed
+    before = [StreamBatcher(splits.train, b0, 16, seed=0, rank=r, world_size=w0) for r in range(w0)]
+    for _ in range(60):
+        for b in before:
+            next(b)
+    state = json.loads(json.dumps(before[0].state_dict()))
+    after = [StreamBatcher(splits.train, b1, 16, seed=0, rank=r, world_size=w1) for r in range(w1)]
+    for b in after:
+        b.load_state_dict(state)
+    for step in range(30):
+        rows = [next(b)[0] for b in after]
+        start = state["consumed_samples"] + step * b1 * w1
+        for k in range(b1 * w1):
+            assert torch.equal(rows[k % w1][k // w1], reference[start + k][0])
+
+
+def test_stream_state_refuses_other_data(tmp_path):
+    from te_npu.training.hf_stream import StreamBatcher
+
+    splits, _ = stream_splits(tmp_path, streaming=True)
+    state = StreamBatcher(splits.train, 2, 16, seed=0).state_dict()
+    with pytest.raises(ValueError, match="mismatch on 'source'"):
+        StreamBatcher(splits.val, 2, 16, seed=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="mismatch on 'seq_len'"):
+        StreamBatcher(splits.train, 2, 8, seed=0).load_state_dict(state)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"streaming": True}, r"data\.shuffle: a streamed dataset is read in order"),
+    ({"streaming": True, "shuffle": False}, r"data\.val_path: required with data\.streaming"),
+])
+def test_streaming_config_rules(fields, message):
+    from te_npu.training.config import load_config
+
+    data = {"kind": "hf", "path": "/d", "tokenizer": "/t", **fields}
+    with pytest.raises(ConfigError, match=message):
+        load_config({"data": data})
+    with pytest.raises(ConfigError, match=r"data\.streaming: only used with data\.kind 'hf'"):
+        load_config({"data": {"kind": "megatron", "path": "/a", "streaming": True}})

@@ -1,6 +1,5 @@
 """Megatron indexed datasets (data.kind: megatron): read in place in every dtype, document
 boundaries and Megatron's split, every malformed pair refused in one line naming the key."""
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,19 +7,15 @@ import pytest
 from te_npu import ConfigError
 from te_npu.training import data as data_module
 from te_npu.training.blend import TokenBlend
-from te_npu.training.config import load_config
+from te_npu.training.config import DataConfig, load_config
 from te_npu.training.data import build_splits, check_token_ids
 from te_npu.training.indexed_dataset import IndexFormatError, MegatronIndexedDataset, write_indexed_dataset
 from te_npu.training.sampling import TokenBatcher
 from tests.system.megatron_files import MEGATRON_CODES, random_documents, write_megatron
 
 
-def megatron_cfg(**fields):
-    """A ``data`` section as ``DataConfig`` holds it (every field present)."""
-    base = dict(kind="megatron", path=None, val_path=None, blend=None, val_blend=None, split=None, val_fraction=0.05,
-                cache_dir="unused", max_bytes=2**20, include_tests=False, shuffle=True, tokenizer=None,
-                text_key="text", hf_split="train")
-    return SimpleNamespace(**{**base, **fields})
+def megatron_cfg(**fields) -> DataConfig:
+    return DataConfig(**{"kind": "megatron", **fields})
 
 
 @pytest.mark.parametrize("code", sorted(MEGATRON_CODES), ids=[np.dtype(t).name for _, t in sorted(MEGATRON_CODES.items())])
