@@ -12,7 +12,7 @@ split (``DataSplits``). A new kind joins with one entry. Today:
 - ``megatron``: Megatron-LM indexed datasets read in place, one prefix or a weighted blend
   (``megatron_data``, ``indexed_dataset``, ``blend``);
 - ``hf``: a local Hugging Face dataset tokenized once into a cached Megatron indexed dataset
-  (``hf_data``).
+  (``hf_data``), or tokenized as it is read (``streaming: true``, ``hf_stream``).
 
 The samplers live in ``sampling`` (re-exported here).
 """
