@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Tokenize text files into a te_npu token split (``<prefix>.bin`` + ``<prefix>.json``).
+"""Tokenize text files into a te_npu token split (``<prefix>.bin`` + ``<prefix>.json``), or a
+Megatron-LM indexed dataset (``--format megatron``: ``<prefix>.bin`` + ``<prefix>.idx``).
 
     # a local HF tokenizer directory (never downloads)
     python scripts/prepare_data.py --input 'corpus/**/*.txt' --tokenizer /models/dsv3-tokenizer --out-prefix data/corpus
@@ -10,7 +11,9 @@ Files are taken in sorted path order. With ``--val-fraction`` > 0 whole files ar
 (``sha256(path) < fraction``) and ``<prefix>_train`` / ``<prefix>_val`` are written;
 otherwise a single ``<prefix>``. Use the result with ``data: {kind: bin, path: <prefix>}``
 (or ``path: <prefix>_train, val_path: <prefix>_val``). Each document is followed by the
-tokenizer's EOS id (``--no-eos`` to omit).
+tokenizer's EOS id (``--no-eos`` to omit). With ``--format megatron`` each file is one document
+of a Megatron indexed dataset (uint16 below 65,500 ids, else int32, as Megatron's
+``preprocess_data.py`` writes), for ``data: {kind: megatron, path: <prefix>}`` and for Megatron-LM.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from te_npu.training.indexed_dataset import smallest_token_dtype, write_indexed_dataset  # noqa: E402
 from te_npu.training.data import (  # noqa: E402
     BYTE_EOS_ID,
     BYTE_VOCAB_SIZE,
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--byte-level", action="store_true", help="token = byte value, vocab 256")
     parser.add_argument("--val-fraction", type=float, default=0.0, help="fraction of files held out for validation")
     parser.add_argument("--no-eos", action="store_true", help="do not append EOS after each document")
+    parser.add_argument("--format", choices=["te_npu", "megatron"], default="te_npu",
+                        help="te_npu: <prefix>.bin + .json (data.kind bin); megatron: <prefix>.bin + .idx")
     args = parser.parse_args(argv)
     if not 0.0 <= args.val_fraction < 1.0:
         parser.error("--val-fraction must be in [0, 1)")
@@ -89,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         splits = [(args.out_prefix, files, "all")]
     for prefix, names, split in splits:
+        if args.format == "megatron":
+            docs = (np.append(ids, eos_id) if eos_id is not None else ids
+                    for _, _, ids in tokenize_files(((n, Path(n)) for n in names), encode))
+            count, tokens = write_indexed_dataset(prefix, docs, smallest_token_dtype(vocab_size))
+            print(f"wrote {prefix}.bin + .idx: {tokens} tokens in {count} documents (Megatron indexed dataset)")
+            continue
         meta = write_token_file(
             prefix,
             tokenize_files(((n, Path(n)) for n in names), encode),

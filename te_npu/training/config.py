@@ -37,6 +37,7 @@ from te_npu.distributed.sharding import validate_parallel_config
 from te_npu.errors import ConfigError
 from te_npu.ops.kernels import quant_kernel_device_problem
 from te_npu.recipe import Recipe, recipe_from_config
+from te_npu.training.data import check_data_config
 from te_npu.training.schema import (
     apply_overrides,
     build_mapping,
@@ -254,31 +255,47 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training tokens.
+    """Training tokens; ``kind`` picks the reader (``te_npu.training.data.DATA_KINDS``, which also
+    holds each kind's rules: a key another kind reads is refused).
 
     ``kind: stdlib``: the running interpreter's standard-library ``.py`` sources, byte-level
     (vocab 256), first ``max_bytes`` bytes in sorted path order, cached under ``cache_dir``;
     a ``val_fraction`` of the files is held out. ``kind: bin``: ``path`` is the prefix of a
     prepared ``<path>.bin`` + ``<path>.json`` (scripts/prepare_data.py); validation is
     ``val_path`` if given, else the last ``val_fraction`` of the tokens.
+
+    ``kind: megatron``: Megatron-LM indexed datasets (``<prefix>.bin`` + ``<prefix>.idx``) read
+    in place: ``path`` (one prefix) or ``blend`` (``[[0.3, /data/web], [0.7, /data/code]]`` or
+    Megatron's flat ``"0.3 /data/web 0.7 /data/code"``); validation from ``val_path`` /
+    ``val_blend``, else the valid share of ``split`` (Megatron's ``"969,30,1"``, the default),
+    by documents (``te_npu.training.megatron_data``).
+
+    ``kind: hf``: a local Hugging Face dataset at ``path`` (parquet / jsonl / arrow / txt / csv
+    files, a folder of them, or a ``save_to_disk`` folder), column ``text_key`` of split
+    ``hf_split``, tokenized with the local ``tokenizer`` folder once into a cached Megatron
+    indexed dataset under ``cache_dir``; validation from ``val_path`` or ``split``
+    (``te_npu.training.hf_data``); ``streaming: true`` tokenizes on the fly instead, in order
+    (``shuffle: false``), validation from ``val_path`` (``te_npu.training.hf_stream``).
     """
 
-    kind: Literal["stdlib", "bin"] = "stdlib"
+    kind: str = "stdlib"
     path: str | None = None
     val_path: str | None = None
+    blend: Any = None
+    val_blend: Any = None
+    split: str | None = None
     val_fraction: float = option(0.05, gt=0.0, le=0.5)
     cache_dir: str = "data_cache"
     max_bytes: int = option(12 * 2**20, ge=2**16)
     include_tests: bool = False
     shuffle: bool = True
+    tokenizer: str | None = None
+    text_key: str = "text"
+    hf_split: str = "train"
+    streaming: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind == "bin" and self.path is None:
-            raise ConfigError("data.path: required when data.kind is 'bin' (prefix of a prepared .bin/.json pair)")
-        if self.kind == "stdlib":
-            for key in ("path", "val_path"):
-                if getattr(self, key) is not None:
-                    raise ConfigError(f"data.{key}: only used with data.kind 'bin' (data.kind is 'stdlib')")
+        check_data_config(self)
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,20 @@
-"""Token data: memory-mapped token files, the stdlib corpus, and deterministic samplers.
+"""Which tokens a run reads: one registered entry per ``data.kind``, the stdlib corpus, and the
+token-id check that runs before the model is built.
 
-File format: one split is two files sharing a prefix.
+``DATA_KINDS`` maps each ``data.kind`` to a ``DataKind``: the ``data.*`` keys it reads, its
+config rules, and the function that turns the ``data`` section into a train and a validation
+split (``DataSplits``). A new kind joins with one entry. Today:
 
-- ``<prefix>.bin``: raw little-endian token ids, ``uint16`` when the vocabulary fits in
-  65,536 ids, else ``uint32``; documents concatenated, each followed by ``eos_token_id``
-  when the tokenizer has one.
-- ``<prefix>.json``: ``{"format": "te_npu.tokens", "version": 1, "dtype", "num_tokens",
-  "vocab_size", "eos_token_id", "tokenizer": {...}, "split", "sha256" (of the .bin),
-  "sources": [{"path", "sha256", "num_tokens"}], "build": {...}}``.
+- ``stdlib``: the interpreter's standard-library ``.py`` sources, byte-level tokenized (token =
+  byte value, vocab 256; byte 0, NUL, absent from source text, ends each document), whole files
+  held out for validation, cached in the te_npu token format (``token_dataset``);
+- ``bin``: a prepared te_npu token split (``scripts/prepare_data.py``);
+- ``megatron``: Megatron-LM indexed datasets read in place, one prefix or a weighted blend
+  (``megatron_data``, ``indexed_dataset``, ``blend``);
+- ``hf``: a local Hugging Face dataset tokenized once into a cached Megatron indexed dataset
+  (``hf_data``), or tokenized as it is read (``streaming: true``, ``hf_stream``).
 
-Byte-level tokenization: token = byte value (vocab 256), byte 0 (NUL, absent from source
-text) ends each document.
-
-Samples: with sequence length S, sample ``i`` is the window ``tokens[i*S : i*S + S + 1]``;
-``input_ids = window[:-1]`` and ``labels = window[1:]``. **Labels are already shifted**
-(Megatron convention: ``labels[b, t]`` is the token after ``input_ids[b, t]``), so the loss
-must not shift them again.
-
-Legend: B = micro batch size, S = sequence length, N = number of tokens, W = world size.
+The samplers live in ``sampling`` (re-exported here).
 """
 from __future__ import annotations
 
@@ -26,19 +23,41 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
-import torch
 
 from te_npu.errors import ConfigError
+from te_npu.training import hf_data, megatron_data
+from te_npu.training.blend import TokenBlend
+from te_npu.training.hf_stream import HFStream
+from te_npu.training.splits import DataSplits
+from te_npu.training.sampling import TokenBatcher, make_batcher, validation_batches
+from te_npu.training.token_dataset import (
+    FORMAT_NAME,
+    TokenDataset,
+    byte_tokenize,
+    describe_invalid_id,
+    split_paths,
+    write_token_file,
+)
 
 __all__ = [
+    "DataKind",
+    "DataSplits",
+    "DATA_KINDS",
+    "check_data_config",
+    "build_splits",
+    "build_datasets",
+    "check_token_ids",
     "TokenDataset",
     "TokenBatcher",
+    "make_batcher",
+    "validation_batches",
     "write_token_file",
     "split_paths",
     "tokenize_files",
@@ -46,191 +65,15 @@ __all__ = [
     "split_by_file",
     "stdlib_sources",
     "build_stdlib_corpus",
-    "validation_batches",
-    "build_datasets",
-    "check_token_ids",
     "SCAN_LIMIT_BYTES",
     "BYTE_VOCAB_SIZE",
     "BYTE_EOS_ID",
 ]
 
-FORMAT_NAME, FORMAT_VERSION = "te_npu.tokens", 1
 BYTE_VOCAB_SIZE = 256  # byte-level: token id = byte value
 BYTE_EOS_ID = 0  # NUL never occurs in text sources, so it marks a document end
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
-
-
-def split_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
-    """``<prefix>.bin`` and ``<prefix>.json`` (appended, so dots in the prefix are kept)."""
-    prefix = Path(prefix)
-    return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".json")
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """``uint16`` when every id fits in 16 bits, else ``uint32``."""
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
-# ---------------------------------------------------------------------------------------
-# Reading
-# ---------------------------------------------------------------------------------------
-
-
-class TokenDataset:
-    """A read-only, memory-mapped token split: ``tokens`` is ``np.memmap [N]``.
-
-    ``TokenDataset(prefix)`` opens ``<prefix>.bin`` + ``<prefix>.json``; ``slice(a, b)``
-    returns a view on tokens ``[a, b)`` (used to hold out the tail of a single file).
-    """
-
-    def __init__(
-        self, prefix: str | os.PathLike, *, _tokens: np.ndarray | None = None, _meta: dict | None = None, _start: int = 0
-    ):
-        self.prefix = Path(prefix)
-        self.start = _start  # offset of token 0 in <prefix>.bin (non-zero for a slice)
-        if _tokens is not None and _meta is not None:
-            self.meta, self.tokens = _meta, _tokens
-            return
-        bin_path, meta_path = split_paths(self.prefix)
-        if not meta_path.is_file() or not bin_path.is_file():
-            raise FileNotFoundError(f"token data {str(self.prefix)!r}: expected {bin_path.name} and {meta_path.name}")
-        self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("format") != FORMAT_NAME or self.meta.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{meta_path}: not a {FORMAT_NAME} v{FORMAT_VERSION} metadata file")
-        dtype, num_tokens = np.dtype(self.meta["dtype"]), int(self.meta["num_tokens"])
-        if bin_path.stat().st_size != num_tokens * dtype.itemsize:
-            raise ValueError(
-                f"{bin_path}: {bin_path.stat().st_size} bytes, expected num_tokens * itemsize = "
-                f"{num_tokens} * {dtype.itemsize}"
-            )
-        if num_tokens == 0:  # np.memmap cannot map an empty file
-            self.tokens = np.zeros(0, dtype)
-        else:
-            self.tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,))
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.meta["vocab_size"])
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.meta.get("eos_token_id")
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def slice(self, start: int, stop: int) -> TokenDataset:
-        """A view on tokens ``[start, stop)`` sharing the memmap."""
-        return TokenDataset(self.prefix, _tokens=self.tokens[start:stop], _meta=self.meta, _start=self.start + start)
-
-    def num_samples(self, seq_len: int) -> int:
-        """Number of full ``seq_len + 1`` windows at stride ``seq_len``."""
-        return max(0, (len(self) - 1) // seq_len)
-
-    def windows(
-        self, indices: Iterable[int], seq_len: int, *, vocab_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples ``indices`` -> ``(input_ids [B, S], labels [B, S])`` int64 (labels shifted).
-
-        ``vocab_size``: raise ``ValueError`` naming the file and token offset if a sampled id
-        is ``>= vocab_size`` (a cheap max over the batch; the embedding would index out of range).
-        """
-        indices = list(indices)
-        rows = [np.asarray(self.tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in indices]
-        window_BS1 = np.stack(rows)
-        if vocab_size is not None and window_BS1.size and int(window_BS1.max()) >= vocab_size:
-            b, s = np.unravel_index(int(np.argmax(window_BS1 >= vocab_size)), window_BS1.shape)
-            raise ValueError(
-                f"{self.describe()}: token id {int(window_BS1[b, s])} at token offset "
-                f"{self.start + indices[b] * seq_len + s} "
-                f"(sample {indices[b]}) is >= the model's vocab_size {vocab_size}"
-            )
-        window_BS1 = torch.from_numpy(window_BS1)
-        return window_BS1[:, :-1].contiguous(), window_BS1[:, 1:].contiguous()
-
-    def describe(self) -> str:
-        """``<prefix>.bin`` (plus the token range when this is a slice of it)."""
-        bin_path = split_paths(self.prefix)[0]
-        if self.start == 0 and len(self) == self.meta.get("num_tokens"):
-            return str(bin_path)
-        return f"{bin_path} [tokens {self.start}:{self.start + len(self)}]"
-
-    def first_token_at_or_above(self, limit: int) -> tuple[int, int] | None:
-        """``(offset in <prefix>.bin, id)`` of the first token id ``>= limit``, or None; scans in
-        64 Mi-token chunks (about 0.1 s per GiB from the page cache)."""
-        chunk = 64 << 20
-        for begin in range(0, len(self), chunk):
-            part = np.asarray(self.tokens[begin : begin + chunk])
-            if part.size and int(part.max()) >= limit:
-                offset = int(np.argmax(part >= limit))
-                return self.start + begin + offset, int(part[offset])
-        return None
-
-
-# ---------------------------------------------------------------------------------------
-# Writing
-# ---------------------------------------------------------------------------------------
-
-
-def byte_tokenize(data: bytes) -> np.ndarray:
-    """Byte-level tokens of one document: ``[len(data)]`` uint16, ids 0..255."""
-    return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
-
-
-def write_token_file(
-    prefix: str | os.PathLike,
-    documents: Iterable[tuple[str, bytes, np.ndarray]],
-    *,
-    vocab_size: int,
-    tokenizer: dict[str, Any],
-    eos_token_id: int | None,
-    split: str,
-    build: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write ``<prefix>.bin`` + ``<prefix>.json`` from ``(source_path, raw_bytes, token_ids)``.
-
-    Each document's ids are followed by ``eos_token_id`` (if not None). Both files are
-    written under temporary names and renamed, .json last, so a reader (or a concurrent
-    writer of the same deterministic content) never sees a half-written split.
-    Returns the metadata dict.
-    """
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(vocab_size)
-    tmp = f".tmp{os.getpid()}"
-    bin_path, meta_path = split_paths(prefix)
-    bin_tmp, meta_tmp = bin_path.with_name(bin_path.name + tmp), meta_path.with_name(meta_path.name + tmp)
-    digest, sources, num_tokens = hashlib.sha256(), [], 0
-    with open(bin_tmp, "wb") as out:
-        for source, raw, ids in documents:
-            ids = np.asarray(ids)
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-                raise ValueError(f"{source}: token ids outside [0, {vocab_size})")
-            if eos_token_id is not None:
-                ids = np.append(ids, eos_token_id)
-            chunk = ids.astype(dtype.newbyteorder("<")).tobytes()
-            out.write(chunk)
-            digest.update(chunk)
-            sources.append({"path": source, "sha256": hashlib.sha256(raw).hexdigest(), "num_tokens": int(ids.size)})
-            num_tokens += int(ids.size)
-    meta = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "dtype": dtype.name,
-        "num_tokens": num_tokens,
-        "vocab_size": int(vocab_size),
-        "eos_token_id": eos_token_id,
-        "tokenizer": tokenizer,
-        "split": split,
-        "sha256": digest.hexdigest(),
-        "sources": sources,
-        "build": build or {},
-    }
-    meta_tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(bin_tmp, bin_path)
-    os.replace(meta_tmp, meta_path)
-    return meta
 
 
 def tokenize_files(
@@ -341,29 +184,55 @@ def _cached_build(prefix: Path) -> dict | None:
         return None
 
 
-def build_datasets(data_cfg: Any) -> tuple[TokenDataset, TokenDataset]:
-    """``DataConfig`` -> ``(train, val)`` datasets (stdlib corpus built/cached on first use).
+# ---------------------------------------------------------------------------------------
+# The kinds
+# ---------------------------------------------------------------------------------------
 
-    Call it on one rank first (then barrier) to avoid duplicate work; concurrent builds are
-    safe anyway because writes are atomic and deterministic.
+
+@dataclass(frozen=True)
+class DataKind:
+    """One ``data.kind``.
+
+    ``build(data_cfg, vocab_size, progress)`` -> ``DataSplits`` (``vocab_size``: the model's,
+    for checks a build must make first, e.g. a tokenizer's; ``progress``: this rank may show a
+    progress bar). ``keys``: the optional ``data.*`` keys (of ``OPTIONAL_KEYS``) the kind reads;
+    setting another is an error. ``check(data_cfg)``: its config-only rules (``ConfigError``).
+    ``writes_cache``: the build writes files, so rank 0 builds first and the others then open.
     """
-    if data_cfg.kind == "stdlib":
-        prefix = Path(data_cfg.cache_dir) / f"stdlib_py{sys.version_info.major}{sys.version_info.minor}"
-        try:
-            train, val = build_stdlib_corpus(
-                prefix, data_cfg.val_fraction, max_bytes=data_cfg.max_bytes, include_tests=data_cfg.include_tests
-            )
-        except OSError as exc:
-            raise ConfigError(f"data.cache_dir: cannot build the stdlib corpus in {data_cfg.cache_dir!r}: {exc}") from None
-        return TokenDataset(train), TokenDataset(val)
-    dataset = _open_split(data_cfg.path, "data.path")
-    if data_cfg.val_path is not None:
-        return dataset, _open_split(data_cfg.val_path, "data.val_path")
-    cut = len(dataset) - int(round(len(dataset) * data_cfg.val_fraction))
-    return dataset.slice(0, cut), dataset.slice(cut, len(dataset))
+
+    build: Callable[[Any, int | None, bool], DataSplits]
+    keys: frozenset[str] = frozenset()
+    check: Callable[[Any], None] | None = None
+    writes_cache: bool = False
 
 
-def _open_split(prefix: str, key: str) -> TokenDataset:
+OPTIONAL_KEYS = ("path", "val_path", "blend", "val_blend", "split", "tokenizer", "streaming")
+"""``data.*`` keys that mean something for some kinds only (None when unset; false for ``streaming``)."""
+
+
+def _build_stdlib(d: Any, vocab_size: int | None, progress: bool) -> DataSplits:
+    prefix = Path(d.cache_dir) / f"stdlib_py{sys.version_info.major}{sys.version_info.minor}"
+    try:
+        train, val = build_stdlib_corpus(prefix, d.val_fraction, max_bytes=d.max_bytes, include_tests=d.include_tests)
+    except OSError as exc:
+        raise ConfigError(f"data.cache_dir: cannot build the stdlib corpus in {d.cache_dir!r}: {exc}") from None
+    return DataSplits(TokenDataset(train), TokenDataset(val), "data.kind", "data.kind")
+
+
+def _build_bin(d: Any, vocab_size: int | None, progress: bool) -> DataSplits:
+    dataset = _open_token_file(d.path, "data.path")
+    if d.val_path is not None:
+        return DataSplits(dataset, _open_token_file(d.val_path, "data.val_path"), "data.path", "data.val_path")
+    cut = len(dataset) - int(round(len(dataset) * d.val_fraction))
+    return DataSplits(dataset.slice(0, cut), dataset.slice(cut, len(dataset)), "data.path", "data.path")
+
+
+def _check_bin(d: Any) -> None:
+    if d.path is None:
+        raise ConfigError("data.path: required when data.kind is 'bin' (prefix of a prepared .bin/.json pair)")
+
+
+def _open_token_file(prefix: str, key: str) -> TokenDataset:
     try:
         return TokenDataset(prefix)
     except FileNotFoundError as exc:
@@ -372,185 +241,89 @@ def _open_split(prefix: str, key: str) -> TokenDataset:
         raise ConfigError(f"{key}: {prefix!r} is not a readable {FORMAT_NAME} split: {exc}") from None
 
 
-SCAN_LIMIT_BYTES = 4 << 30
-"""``check_token_ids`` scans files up to this size before training (about 0.1 s per GiB from the
-page cache); larger ones rely on the per-batch check of ``TokenDataset.windows``."""
+DATA_KINDS: Mapping[str, DataKind] = MappingProxyType({
+    "stdlib": DataKind(_build_stdlib, writes_cache=True),
+    "bin": DataKind(_build_bin, frozenset({"path", "val_path"}), _check_bin),
+    "megatron": DataKind(megatron_data.build_megatron, megatron_data.KEYS, megatron_data.check_config),
+    "hf": DataKind(hf_data.build_hf, hf_data.KEYS, hf_data.check_config, writes_cache=True),
+})
+"""``data.kind`` -> what it reads and how (``DataKind``)."""
 
 
-def check_token_ids(dataset: TokenDataset, vocab_size: int, key: str) -> str | None:
-    """Raise ``ConfigError`` (naming ``key``) if ``dataset`` cannot feed a model of ``vocab_size``.
+def check_data_config(d: Any) -> None:
+    """The ``data`` section's rules (``DataConfig.__post_init__`` runs them): a registered kind, no
+    key another kind reads, the kind's own rules. ``ConfigError`` naming the key."""
+    kind = DATA_KINDS.get(d.kind)
+    if kind is None:
+        raise ConfigError(f"data.kind: {d.kind!r} is not supported; allowed values are {list(DATA_KINDS)}")
+    for key in OPTIONAL_KEYS:
+        if getattr(d, key) not in (None, False) and key not in kind.keys:
+            users = [name for name, k in DATA_KINDS.items() if key in k.keys]
+            raise ConfigError(f"data.{key}: only used with data.kind {' / '.join(map(repr, users))} "
+                              f"(data.kind is {d.kind!r})")
+    if kind.check is not None:
+        kind.check(d)
 
-    The header's tokenizer ``vocab_size`` must not exceed the model's; then the ids themselves
-    are scanned when the split is at most ``SCAN_LIMIT_BYTES`` (a header can be wrong, or the
-    ``.bin`` edited). Returns a note when the split was too large to scan.
+
+def build_splits(d: Any, vocab_size: int | None = None, *, progress: bool = False) -> DataSplits:
+    """``DataConfig`` -> its ``DataSplits`` (caches built on first use). ``ConfigError`` for bad input.
+
+    For a kind that ``writes_cache``, call it on one rank first (then barrier) to avoid duplicate
+    work; concurrent builds are safe anyway because writes are atomic and deterministic.
     """
-    header_vocab = int(dataset.meta.get("vocab_size", 0))
-    if header_vocab > vocab_size:
+    return DATA_KINDS[d.kind].build(d, vocab_size, progress)
+
+
+def build_datasets(d: Any) -> tuple[TokenDataset | TokenBlend, TokenDataset | TokenBlend]:
+    """``(train, val)`` of ``build_splits(d)``."""
+    splits = build_splits(d)
+    return splits.train, splits.val
+
+
+SCAN_LIMIT_BYTES = 4 << 30
+"""``check_token_ids`` reads every token of a split up to this size before training (about
+0.1 s per GiB from the page cache); of a larger one, ``SAMPLE_CHUNKS`` evenly spread chunks of
+``SAMPLE_CHUNK_TOKENS``. Every batch is checked exactly either way (``TokenDataset.windows``)."""
+SAMPLE_CHUNKS, SAMPLE_CHUNK_TOKENS = 64, 1 << 20
+
+
+def check_token_ids(data: TokenDataset | TokenBlend, vocab_size: int, key: str) -> str | None:
+    """Raise ``ConfigError`` (naming ``key``, or each blend part's key) if ``data`` cannot feed a
+    model of ``vocab_size``.
+
+    A header's tokenizer ``vocab_size`` (te_npu files; Megatron's index has none) must not
+    exceed the model's; then the ids themselves are read: all of a split up to
+    ``SCAN_LIMIT_BYTES`` (a header can be wrong, or the ``.bin`` edited), a sample of a larger
+    one. An id >= ``vocab_size``, a negative one (signed Megatron dtypes) or a fraction (float
+    dtypes) is refused. Returns a note when only a sample was read.
+    """
+    if isinstance(data, TokenBlend):
+        notes = [check_token_ids(part.data, vocab_size, part.key) for part in data.parts]
+        return "; ".join(n for n in notes if n) or None
+    if isinstance(data, HFStream):  # nothing to read ahead; load_tokenizer checked its vocabulary
+        return (f"{key}: {data.describe()} is tokenized as it is read: its {data.vocab_size}-id tokenizer fits the "
+                f"model's vocab_size {vocab_size}, and every batch is checked exactly")
+    header_vocab = data.vocab_size
+    if header_vocab is not None and header_vocab > vocab_size:
         raise ConfigError(
-            f"{key}: {dataset.describe()} was tokenized with vocab_size {header_vocab} (its .json header), larger "
+            f"{key}: {data.describe()} was tokenized with vocab_size {header_vocab} (its .json header), larger "
             f"than the model's vocab_size {vocab_size}; ids >= {vocab_size} would index past the embedding"
         )
-    nbytes = len(dataset) * dataset.tokens.dtype.itemsize
+    nbytes, note, chunks = len(data) * data.tokens.dtype.itemsize, None, None
     if nbytes > SCAN_LIMIT_BYTES:
-        return (f"{key}: {dataset.describe()} ({nbytes / 2**30:.1f} GiB) is too large to scan before training; "
-                "token ids are checked per batch")
-    bad = dataset.first_token_at_or_above(vocab_size)
+        chunks = _spread_chunks(len(data), SAMPLE_CHUNKS, SAMPLE_CHUNK_TOKENS)
+        read = sum(b - a for a, b in chunks)
+        note = (f"{key}: {data.describe()} ({nbytes / 2**30:.1f} GiB) is too large to read before training: "
+                f"sampled {read} of its {len(data)} tokens; every batch is checked exactly")
+    bad = data.first_token_at_or_above(vocab_size, chunks)
     if bad is not None:
-        raise ConfigError(
-            f"{key}: {dataset.describe()} holds token id {bad[1]} at token offset {bad[0]}, >= the model's "
-            f"vocab_size {vocab_size} (the .json header says vocab_size {header_vocab})"
-        )
-    return None
+        header = f" (the .json header says vocab_size {header_vocab})" if header_vocab is not None else ""
+        raise ConfigError(f"{key}: {data.describe()} holds token id {bad[1]} at token offset {bad[0]}, which "
+                          f"{describe_invalid_id(bad[1], vocab_size)}{header}")
+    return note
 
 
-# ---------------------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Position:
-    epoch: int = 0
-    batch: int = 0  # batches already served in this epoch
-
-
-class TokenBatcher:
-    """Endless ``(input_ids [B, S], labels [B, S])`` int64 batches for one data-parallel rank.
-
-    Epoch ``e`` orders the ``num_samples`` windows by ``np.random.default_rng([seed, e])``
-    (identity when ``shuffle=False``); rank ``r`` takes positions ``r, r + W, r + 2W, ...``
-    of that order, so ranks are disjoint and together cover ``W * (num_samples // W)``
-    samples per epoch. Batches are consecutive runs of ``B`` in the rank's shard; the
-    remainder of an epoch is dropped. ``state_dict()`` is the same on every rank (it holds
-    no rank), and ``load_state_dict`` resumes exactly where a continuous run would be.
-
-    Resharding: after ``b`` batches of an epoch, the ranks together have consumed exactly
-    the first ``b * B * W`` positions of the epoch's order (rank r holds positions
-    ``r + W k``). A state saved with ``(W, B)`` therefore maps exactly onto ``(W', B')``
-    when ``b * B * W`` is a multiple of ``B' * W'``: the new ranks continue at that position
-    (the next epoch if the new layout's epoch ends before it). Otherwise the position falls
-    inside a new micro batch and loading refuses (``ValueError``) instead of repeating or
-    skipping samples. ``vocab_size``: every batch is checked against it (``TokenDataset.windows``).
-    """
-
-    def __init__(
-        self,
-        dataset: TokenDataset,
-        micro_batch_size: int,
-        seq_len: int,
-        *,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        shuffle: bool = True,
-        vocab_size: int | None = None,
-    ):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
-        self.vocab_size = vocab_size
-        self.dataset, self.micro_batch_size, self.seq_len = dataset, micro_batch_size, seq_len
-        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
-        self.num_samples = dataset.num_samples(seq_len)
-        self.batches_per_epoch = self.num_samples // world_size // micro_batch_size
-        if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"{len(dataset)} tokens give {self.num_samples} samples of seq_len {seq_len}: fewer than one "
-                f"micro batch ({micro_batch_size}) per rank for world_size {world_size}"
-            )
-        self._pos = _Position()
-        self._consumed_before = 0  # samples consumed under an earlier (W, B) layout (resharded resume)
-        self._shard: tuple[int, np.ndarray] | None = None  # (epoch, this rank's sample ids)
-
-    @property
-    def consumed_samples(self) -> int:
-        """Samples consumed by all ranks together so far."""
-        return self._consumed_before + self._served(self._pos)
-
-    def _served(self, pos: _Position) -> int:
-        return (pos.epoch * self.batches_per_epoch + pos.batch) * self.micro_batch_size * self.world_size
-
-    def _rank_shard(self, epoch: int) -> np.ndarray:
-        if self._shard is None or self._shard[0] != epoch:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            else:
-                order = np.arange(self.num_samples)
-            self._shard = (epoch, order[self.rank :: self.world_size][: self.batches_per_epoch * self.micro_batch_size])
-        return self._shard[1]
-
-    def __iter__(self) -> TokenBatcher:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        pos, b = self._pos, self.micro_batch_size
-        indices = self._rank_shard(pos.epoch)[pos.batch * b : (pos.batch + 1) * b]
-        pos.batch += 1
-        if pos.batch == self.batches_per_epoch:
-            pos.epoch, pos.batch = pos.epoch + 1, 0
-        return self.dataset.windows(indices.tolist(), self.seq_len, vocab_size=self.vocab_size)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Position plus the fingerprint it is valid for (plain ints/bools: checkpoint-safe)."""
-        return {
-            "epoch": self._pos.epoch,
-            "batch_in_epoch": self._pos.batch,
-            "consumed_samples": self.consumed_samples,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "micro_batch_size": self.micro_batch_size,
-            "seq_len": self.seq_len,
-            "num_samples": self.num_samples,
-            "shuffle": self.shuffle,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``'s position (resharded if its world size / micro batch differ, see the
-        class doc); raises ``ValueError`` if the sample order differs or the position does not map."""
-        pos = self.position_for(state)
-        self._consumed_before = int(state.get("consumed_samples", self._served(pos))) - self._served(pos)
-        self._pos = pos
-
-    def position_for(self, state: dict[str, Any]) -> _Position:
-        """Where ``state`` resumes in this batcher's layout; ``ValueError`` naming the mismatch."""
-        for key in ("seed", "seq_len", "num_samples", "shuffle"):
-            if state[key] != getattr(self, key):
-                raise ValueError(
-                    f"data state mismatch on {key!r}: checkpoint has {state[key]!r}, this run {getattr(self, key)!r} "
-                    "(the sample order would differ)"
-                )
-        saved_bpe = state["num_samples"] // state["world_size"] // state["micro_batch_size"]
-        if not 0 <= state["batch_in_epoch"] < saved_bpe:
-            raise ValueError(f"data state batch_in_epoch {state['batch_in_epoch']} outside [0, {saved_bpe})")
-        consumed = state["batch_in_epoch"] * state["micro_batch_size"] * state["world_size"]  # epoch positions
-        per_batch = self.micro_batch_size * self.world_size
-        if consumed % per_batch:
-            raise ValueError(
-                f"data state: the checkpoint consumed {consumed} samples of epoch {state['epoch']} "
-                f"({state['batch_in_epoch']} batches x micro batch {state['micro_batch_size']} x world size "
-                f"{state['world_size']}), not a multiple of this run's micro batch {self.micro_batch_size} x world "
-                f"size {self.world_size} = {per_batch}: the position does not map onto whole batches"
-            )
-        batch = consumed // per_batch
-        if batch >= self.batches_per_epoch:  # this layout's epoch ended before that position
-            return _Position(int(state["epoch"]) + 1, 0)
-        return _Position(int(state["epoch"]), batch)
-
-
-def validation_batches(
-    dataset: TokenDataset, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0, world_size: int = 1,
-    vocab_size: int | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``num_batches`` validation batches of this rank, always the same ones.
-
-    Samples in file order, rank-strided like ``TokenBatcher``; yields fewer batches when the
-    split is short (every rank the same count) and raises ``ValueError`` if it has none.
-    """
-    per_rank = dataset.num_samples(seq_len) // world_size // micro_batch_size
-    if per_rank == 0:
-        raise ValueError(
-            f"validation split ({len(dataset)} tokens) has no full batch of {micro_batch_size}x{seq_len} per rank"
-        )
-    mine = np.arange(rank, per_rank * micro_batch_size * world_size, world_size)
-    for k in range(min(num_batches, per_rank)):
-        yield dataset.windows(mine[k * micro_batch_size : (k + 1) * micro_batch_size].tolist(), seq_len,
-                              vocab_size=vocab_size)
+def _spread_chunks(num_tokens: int, count: int, size: int) -> list[tuple[int, int]]:
+    """``count`` ranges of ``size`` tokens spread evenly over ``[0, num_tokens)``, first and last included."""
+    starts = np.linspace(0, max(num_tokens - size, 0), count).astype(np.int64)
+    return [(int(a), int(min(a + size, num_tokens))) for a in np.unique(starts)]

@@ -51,7 +51,7 @@ from te_npu.ops import require_low_precision, use_quant_kernel
 from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
 from te_npu.training import hf_weights, preflight
 from te_npu.training.config import TrainConfig
-from te_npu.training.data import TokenBatcher, build_datasets, check_token_ids, validation_batches
+from te_npu.training.data import DATA_KINDS, build_splits, check_token_ids, make_batcher, validation_batches
 from te_npu.training.divergence import DivergenceGuard, TrainingDiverged
 from te_npu.training.job import StopRequest, launch_env
 from te_npu.training.metrics_log import MetricsLogger, peak_memory_mb
@@ -344,31 +344,26 @@ class Trainer:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,)) if self.world_size > 1 else None
 
     def _setup_data(self) -> None:
+        """The data kind's splits (rank 0 builds a cache first), their token ids against the model's
+        vocabulary, the sampler; every problem a one-line ``ConfigError`` naming its ``data.*`` key."""
         t, d = self.cfg.training, self.cfg.data
-        if d.kind == "stdlib":
-            if self.rank == 0:
-                build_datasets(d)  # build / verify the cache once before the other ranks read it
-            self._barrier()
-        self.train_data, self.val_data = build_datasets(d)
         self.vocab_size = self.task.vocab_size(self.cfg)
-        key = "data.path" if d.kind == "bin" else "data.kind"
-        for dataset, which in ((self.train_data, key), (self.val_data, "data.val_path" if d.val_path else key)):
-            note = check_token_ids(dataset, self.vocab_size, which)
+        splits = None
+        if DATA_KINDS[d.kind].writes_cache:
+            if self.rank == 0:  # builds / verifies the cache before the others read it
+                splits = build_splits(d, self.vocab_size, progress=True)
+            self._barrier()
+        splits = splits or build_splits(d, self.vocab_size)
+        self.train_data, self.val_data = splits.train, splits.val
+        for dataset, key in ((splits.train, splits.train_key), (splits.val, splits.val_key)):
+            note = check_token_ids(dataset, self.vocab_size, key)
             if note:
                 self._print_rank0(f" note: {note}")
         try:
-            self.batcher = TokenBatcher(
-                self.train_data,
-                t.micro_batch_size,
-                t.seq_len,
-                seed=t.seed,
-                rank=self.rank,
-                world_size=self.world_size,
-                shuffle=d.shuffle,
-                vocab_size=self.vocab_size,
-            )
+            self.batcher = make_batcher(self.train_data, t.micro_batch_size, t.seq_len, seed=t.seed, rank=self.rank,
+                                        world_size=self.world_size, shuffle=d.shuffle, vocab_size=self.vocab_size)
         except ValueError as exc:
-            raise ConfigError(f"{key} / training.seq_len / training.micro_batch_size: {exc}") from None
+            raise ConfigError(f"{splits.train_key} / training.seq_len / training.micro_batch_size: {exc}") from None
 
     # ---- one step ----------------------------------------------------------------------------
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], loss_scale: float = 1.0) -> torch.Tensor:

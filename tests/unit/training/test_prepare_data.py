@@ -55,3 +55,16 @@ def test_prepare_data_local_hf_tokenizer(tmp_path, corpus, load_script):
 def test_prepare_data_no_match_fails(tmp_path, load_script):
     with pytest.raises(SystemExit, match="no files match"):
         load_script("prepare_data").main(["--input", str(tmp_path / "*.none"), "--byte-level", "--out-prefix", str(tmp_path / "x")])
+
+
+def test_prepare_data_megatron_format_is_one_document_per_file(tmp_path, corpus, load_script):
+    from te_npu.training.indexed_dataset import MegatronIndexedDataset
+
+    prepare = load_script("prepare_data")
+    out = tmp_path / "out" / "m"
+    assert prepare.main(["--input", f"{corpus}/**/*.txt", "--byte-level", "--format", "megatron", "--out-prefix", str(out)]) == 0
+    ds = MegatronIndexedDataset(out)
+    offsets = ds.document_offsets()
+    assert ds.num_documents == 3 and ds.dtype == np.uint16
+    for k, name in enumerate(sorted(TEXTS)):
+        assert ds.tokens[offsets[k]:offsets[k + 1]].tolist() == [*TEXTS[name].encode(), BYTE_EOS_ID]

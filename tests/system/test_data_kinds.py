@@ -1,0 +1,109 @@
+"""Issue 22 end to end: the tiny job trains from a Megatron indexed dataset and from a blend of two,
+resumes bitwise, refuses a corrupt ``.idx`` in one line (exit 2 through the launcher), and trains
+from a local Hugging Face dataset offline.
+
+Default suite: single-rank in-process runs (one Megatron dataset, a corrupt index, an HF
+dataset). ``-m slow``: the 2-rank blend run with its bitwise resume in fresh processes, and the
+corrupt index through ``scripts/pretrain_dsv3.sh``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from te_npu.errors import ConfigError
+from te_npu.training.blend import blending_indices, normalize_weights
+from tests.distributed.harness import _free_port
+from tests.system import data_runs as R
+from tests.system import harness as H
+from tests.system.megatron_files import write_megatron
+
+ONE_RANK = ["fsdp_config.dp_shard_size=1", "training.quant_kernel=eager"]
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def test_tiny_job_trains_from_a_megatron_indexed_dataset(tmp_path, single_process):
+    corpora = R.write_corpora(tmp_path / "corpora")
+    result = R.train_worker(0, 1, tmp_path / "run", ["data.kind=megatron", f"data.path={corpora['web']}",
+                                                     "data.split=90,10", *ONE_RANK], steps=4, save_at=None)
+    losses = [r["lm_loss"] for r in result["records"]]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]  # it learns the text
+    assert result["data_state"]["kind"] == "windows" and result["data_state"]["consumed_samples"] == 4 * 2
+
+
+def test_corrupt_index_refused_before_the_model_is_built(tmp_path, single_process):
+    from tests.system.test_q3_config import CountingTask
+
+    corpora = R.write_corpora(tmp_path / "corpora")
+    idx = corpora["code"].with_name(corpora["code"].name + ".idx")
+    raw = bytearray(idx.read_bytes())
+    raw[9] = 2  # version 2
+    idx.write_bytes(bytes(raw))
+    cfg = R.data_config(tmp_path / "run", ["data.kind=megatron", f"data.blend=0.5 {corpora['web']} 0.5 {corpora['code']}",
+                                           *ONE_RANK])
+    CountingTask.builds = 0
+    trainer = H._trainer(cfg, [])[0]
+    trainer.task = CountingTask()
+    with pytest.raises(ConfigError) as err:
+        trainer.setup(cfg)
+    assert str(err.value).startswith("data.blend[1]: not a valid Megatron indexed dataset: ")
+    assert "index version 2; only version 1 exists" in str(err.value) and "\n" not in str(err.value)
+    assert CountingTask.builds == 0
+
+
+def test_tiny_job_trains_offline_from_a_local_hf_dataset(tmp_path, single_process, monkeypatch):
+    pytest.importorskip("datasets", reason="data.kind hf reads with `datasets` (the test extra installs it)")
+    from tests.unit.training.test_hf_data import write_hf_corpus
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    corpus, tokenizer = write_hf_corpus(tmp_path, R.stdlib_documents(0, 30), kind="parquet")
+    overrides = ["data.kind=hf", f"data.path={corpus}", f"data.tokenizer={tokenizer}", "data.split=90,10", *ONE_RANK]
+    result = R.train_worker(0, 1, tmp_path / "run", overrides, steps=3, save_at=None)
+    losses = [r["lm_loss"] for r in result["records"]]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    caches = sorted((tmp_path / "run" / "data_cache" / "hf").glob("*.idx"))
+    assert len(caches) == 1
+
+
+@pytest.mark.slow
+def test_tiny_job_trains_from_a_blend_of_two_and_resumes_bitwise(tmp_path):
+    corpora = R.write_corpora(tmp_path / "corpora")
+    data = ["data.kind=megatron", f"data.blend=[[0.3, {corpora['web']}], [0.7, {corpora['code']}]]",
+            "data.split=969,30,1", "training.eval_interval=3", "training.eval_steps=2", "training.quant_kernel=eager"]
+    ranks = H.spawn(R.train_worker, tmp_path, data)
+    resumed = H.spawn(R.resume_worker, tmp_path, data)
+    for run, again in zip(ranks, resumed):
+        assert again["step"] == R.SAVE_AT
+        for key in ("step", "lm_loss", "grad_norm", "lr", "updated"):
+            assert H.per_step(again["records"], key) == H.per_step(run["records"][R.SAVE_AT:], key), key  # bitwise
+        assert again["data_state"] == run["data_state"]
+    state = ranks[0]["data_state"]
+    consumed = R.STEPS * 2 * H.WORLD  # micro batch 2 x 2 ranks per step
+    expected = np.bincount(blending_indices(normalize_weights([0.3, 0.7]), [0, 0], 0, consumed)[0], minlength=2)
+    assert state["kind"] == "blend" and state["position"] == consumed and state["counts"] == expected.tolist()
+    assert abs(state["counts"][0] - 0.3 * consumed) < 1
+
+
+@pytest.mark.slow
+def test_corrupt_index_through_the_launcher_is_one_line_exit_2(tmp_path):
+    corpora = R.write_corpora(tmp_path / "corpora")
+    bad = write_megatron(tmp_path / "bad", R.stdlib_documents(0, 3), 8, bin_bytes_cut=2)
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), PYTHONPATH=f"{H.REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run(
+        ["bash", "scripts/pretrain_dsv3.sh", H.TINY_MODEL_OVERRIDES, "training.seq_len=64", "logging.plot=false",
+         "training.quant_kernel=eager", f"logging.dir={tmp_path / 'logs'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+         "data.kind=megatron", f"data.blend=0.5 {corpora['web']} 0.5 {bad}"],
+        cwd=H.REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("ConfigError: data.blend[1]: not a valid Megatron indexed dataset: ")
+    assert "a truncated or mismatched .bin/.idx pair" in lines[0]
