@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/dsv3_16b_mxfp8.yaml")
     parser.add_argument("--world", type=int, required=True, help="FSDP2 world size to plan for (ranks)")
-    parser.add_argument("--micro", type=int, default=None, help="micro-batches to run (default: the recipe's accumulation)")
+    parser.add_argument("--micro", type=int, default=None,
+                        help="micro-batches to run (default: the recipe's accumulation; 2 already give its step peak: "
+                             "the second runs with every gradient held, as all later ones do)")
     parser.add_argument("--hbm-gb", type=float, default=ASCEND_950DT_HBM_GB,
                         help=f"HBM per device in GB (10**9 bytes; default {ASCEND_950DT_HBM_GB}: Ascend 950DT)")
     parser.add_argument("--json", default=None, help="also write the report as JSON here")

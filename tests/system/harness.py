@@ -292,8 +292,9 @@ def run_main_worker(rank, world, workdir, data_dir, fmt, phases, backend="emulat
     - ``main``: 20 steps, reshard_after_forward true, accumulation 1, DCP save after step 17;
     - ``variant``: reshard_after_forward false + activation_checkpoint full + accumulation 2, 3 steps;
     - ``reshard_false`` / ``recompute``: one of those switches alone (the slow duplicates);
-    - ``misaligned``: MXFP8 with hidden_size 96 (o_proj / down_proj local rows 48): setup must
-      raise ``ConfigError``; with ``fallback_to_unsharded: true`` it trains 2 steps.
+    - ``misaligned``: MXFP8 with hidden_size 96 and v_head_dim 48 (o_proj ``[96, 96]``: 48 local
+      rows and 48 local columns, no 64-aligned shard dim): setup must raise ``ConfigError``; with
+      ``fallback_to_unsharded: true`` it trains 2 steps.
     """
     with _backend(backend):
         return _main_phases(workdir, data_dir, fmt, phases)
@@ -310,7 +311,7 @@ def _main_phases(workdir, data_dir, fmt, phases) -> dict:
     if "misaligned" in phases:
         from te_npu.errors import ConfigError
 
-        misaligned = "model.overrides={num_hidden_layers: 2, n_shared_experts: 2, hidden_size: 96}"
+        misaligned = "model.overrides={num_hidden_layers: 2, n_shared_experts: 2, hidden_size: 96, v_head_dim: 48}"
         cfg = st_config(fmt, Path(workdir) / "misaligned", data_dir, misaligned)
         lines: list[str] = []
         trainer, _ = _trainer(cfg, lines)
