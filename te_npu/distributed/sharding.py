@@ -126,7 +126,7 @@ def _folded(fqns: Sequence[str], shapes: Mapping[str, tuple[int, ...]]) -> str:
     """``model.layers.*.x.weight [3136, 2048] x28, ...``: FQNs with their layer indices folded."""
     groups: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
     for fqn in fqns:
-        groups[(re.sub(r"\.\d+\.", ".*.", fqn), tuple(shapes.get(fqn, ())))] += 1
+        groups[(_fold(fqn), tuple(shapes.get(fqn, ())))] += 1
     return ", ".join(f"{name} {list(shape)}" + (f" x{n}" if n > 1 else "") for (name, shape), n in groups.items())
 
 
@@ -186,13 +186,19 @@ def shard_dim(param: torch.Tensor, world_size: int) -> tuple[int | None, list[st
 
 def shard_violation(fqn: str, param: torch.Tensor, world_size: int) -> str | None:
     """Why ``param`` cannot be sharded over ``world_size`` ranks on any dim, or None."""
+    reasons = _violation_reasons(param, world_size)
+    if reasons is None:
+        return None
+    return f"parameter {fqn!r} shape {list(param.shape)} over FSDP world size {world_size}: {reasons}"
+
+
+def _violation_reasons(param: torch.Tensor, world_size: int) -> str | None:
+    """Each candidate dim's reason and the world sizes that would shard ``param``, or None."""
     dim, reasons = shard_dim(param, world_size)
     if dim is not None:
         return None
-    shape = list(param.shape)
     fits = [w for w in _CANDIDATE_WORLD_SIZES if w != world_size and shard_dim(param, w)[0] is not None]
-    fits_note = f"; it shards at world sizes {fits}" if fits else ""
-    return f"parameter {fqn!r} shape {shape} over FSDP world size {world_size}: " + "; ".join(reasons) + fits_note
+    return "; ".join(reasons) + (f"; it shards at world sizes {fits}" if fits else "")
 
 
 def plan_shards(
@@ -202,23 +208,33 @@ def plan_shards(
     ``ConfigError`` listing what no dim can shard unless falling back to replicas. Reads only
     shapes and classes: a meta-built (and meta-quantized) model plans before any allocation."""
     sharded, replicated, dims, shapes, nbytes = [], {}, {}, {}, {}
+    folded: dict[tuple[str, tuple[int, ...], str], list[str]] = defaultdict(list)  # one line per layer-folded kind
     for fqn, param in named_params:
         shapes[fqn], nbytes[fqn] = tuple(param.shape), _param_bytes(param)
         dim, _ = shard_dim(param, world_size)
         if dim is None:
             replicated[fqn] = shard_violation(fqn, param, world_size)
+            folded[(_fold(fqn), shapes[fqn], _violation_reasons(param, world_size))].append(fqn)
         else:
             sharded.append(fqn)
             dims[fqn] = dim
     plan = ShardPlan(tuple(sharded), replicated, dims=dims, shapes=shapes, nbytes=nbytes, world_size=world_size)
     if replicated and not fallback_to_unsharded:
+        lines = [f"parameter {name if len(fqns) > 1 else fqns[0]!r} shape {list(shape)}"
+                 + (f" (x{len(fqns)})" if len(fqns) > 1 else "") + f": {reasons}"
+                 for (name, shape, reasons), fqns in folded.items()]
         raise ConfigError(
-            f"shard constraints violated: no shard dim keeps these {len(replicated)} parameter(s) "
-            f"(set fsdp_config.fallback_to_unsharded: true to keep them replicated, "
+            f"shard constraints violated over FSDP world size {world_size}: no shard dim keeps these "
+            f"{len(replicated)} parameter(s) (set fsdp_config.fallback_to_unsharded: true to keep them replicated, "
             f"+{plan.replicated_bytes_per_rank() / 2**30:.2f} GiB per rank, or use a world size that shards them):\n  "
-            + "\n  ".join(replicated.values())
+            + "\n  ".join(lines)
         )
     return plan
+
+
+def _fold(fqn: str) -> str:
+    """``model.layers.*.x.weight`` for ``model.layers.7.x.weight``: layer indices folded."""
+    return re.sub(r"\.\d+\.", ".*.", fqn)
 
 
 def _param_bytes(param: torch.Tensor) -> int:
