@@ -78,7 +78,7 @@ from te_npu.distributed.checkpoint_manifest import (
     write_manifest,
 )
 from te_npu.distributed.checkpoint_metadata import SafeFileSystemReader, read_metadata_safely
-from te_npu.distributed.disk_space import DiskFullError, format_bytes, free_bytes, space_error
+from te_npu.distributed.disk_space import DiskFullError, format_bytes, free_bytes, raise_if_disk_full
 from te_npu.distributed.optim import MasterWeightOptimizer, refresh_low_precision_weights
 from te_npu.tensor import QuantizedWeightTensor
 from te_npu.distributed import process_group
@@ -146,8 +146,9 @@ def save(
         if rank == 0:
             _write_json(os.path.join(tmp, _META), {"step": int(step), "world_size": world, "lineage": lineage,
                                                    "parent": parent, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    except Exception as exc:  # a full disk surfaces as anything from OSError to "unexpected pos"
-        raise (space_error(exc, directory, needed, what) or exc) from exc
+    except BaseException as exc:  # a full disk: anything from OSError to "unexpected pos", in DCP's CheckpointException
+        raise_if_disk_full(exc, directory, needed, what)
+        raise
     del state
     process_group.barrier()
     mine = [n for n in os.listdir(tmp) if _writer_rank(n, world) == rank]
@@ -161,8 +162,9 @@ def save(
             if os.path.exists(final):  # this run's own step_N (refuse_foreign passed): a redone step
                 folder.set_aside(directory, [name], folder.ABANDONED)
             folder.publish(directory, name)  # latest -> step_N, then the rename
-        except Exception as exc:
-            raise (space_error(exc, directory, needed, what) or exc) from exc
+        except BaseException as exc:  # noqa: BLE001 - re-raised as it is unless the disk is full
+            raise_if_disk_full(exc, directory, needed, what)
+            raise
         if keep_last is not None:
             folder.prune(directory, keep_last, lineage, int(step))  # the history chain from step_{step}
     process_group.barrier()

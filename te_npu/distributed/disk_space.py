@@ -4,8 +4,9 @@ A full disk surfaces from deep inside a writer, often without an errno (torch's 
 reports ``unexpected pos 704 vs 598``; DCP wraps it in a ``CheckpointException`` per rank).
 ``check_free_space`` refuses a write that cannot fit before it starts; ``space_error`` turns a
 failed write into a ``DiskFullError`` when the disk is the cause: ``ENOSPC`` / ``EDQUOT``
-anywhere in the exception's chain (or among DCP's per-rank failures), or the folder's free
-space now under ``FULL_BELOW``. ``te_npu.training.job`` prints a ``DiskFullError`` in one line.
+anywhere in the exception's chain (or among DCP's per-rank failures, a ``CheckpointException``,
+which is a ``BaseException``), or the folder's free space now under ``FULL_BELOW``; never for an
+interruption. ``te_npu.training.job`` prints a ``DiskFullError`` in one line.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import errno
 import os
 import shutil
 
-__all__ = ["DiskFullError", "FULL_BELOW", "free_bytes", "check_free_space", "space_error", "format_bytes"]
+__all__ = ["DiskFullError", "FULL_BELOW", "free_bytes", "check_free_space", "space_error", "raise_if_disk_full",
+           "format_bytes"]
 
 FULL_BELOW = 16 << 20
 """A write that failed while its folder has less free space than this failed for lack of space."""
@@ -55,7 +57,10 @@ def space_error(exc: BaseException, path: str | os.PathLike, needed: int, what: 
     """A ``DiskFullError`` describing ``exc`` if it was caused by a full disk at ``path``, else None."""
     if isinstance(exc, DiskFullError):
         return exc
-    full = any(isinstance(e, OSError) and e.errno in _SPACE_ERRNOS for e in _causes(exc))
+    causes = _causes(exc)
+    if any(not isinstance(e, Exception) and type(e).__name__ != "CheckpointException" for e in causes):
+        return None  # an interruption (SIGINT / SIGTERM) is not a full disk, whatever the free space
+    full = any(isinstance(e, OSError) and e.errno in _SPACE_ERRNOS for e in causes)
     try:
         free = free_bytes(path)
     except OSError:
@@ -65,6 +70,14 @@ def space_error(exc: BaseException, path: str | os.PathLike, needed: int, what: 
     left = "" if free is None else f" ({format_bytes(free)} free now)"
     return DiskFullError(f"{what}: no space left on the device of {os.fspath(path)}{left}; the write needs about "
                          f"{format_bytes(needed)} ({type(exc).__name__}: {_first_line(exc)})")
+
+
+def raise_if_disk_full(exc: BaseException, path: str | os.PathLike, needed: int, what: str) -> None:
+    """Inside an ``except`` block: raise ``space_error``'s ``DiskFullError`` (from ``exc``) if the
+    disk is the cause; return otherwise, for the caller's bare ``raise``."""
+    full = space_error(exc, path, needed, what)
+    if full is not None and full is not exc:
+        raise full from exc
 
 
 def _causes(exc: BaseException, seen: set | None = None) -> list[BaseException]:
