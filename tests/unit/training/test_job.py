@@ -45,6 +45,14 @@ def test_job_error_prints_one_traceback_exit_1(capsys):
     assert err.startswith("failed: ValueError: bad batch\n") and err.count("Traceback") == 1
 
 
+def test_job_disk_full_is_one_line_exit_1(capsys):
+    from te_npu.distributed.disk_space import DiskFullError
+
+    message = "checkpoint.save of step 8 to /ckpt: /ckpt has 1.0 MiB free, the step needs about 3.4 GiB"
+    assert run_job(_raise(DiskFullError(message))) == EXIT_ERROR
+    assert capsys.readouterr().err == message + "\n"
+
+
 def test_job_sigint_stops_with_130_and_restores_handlers(capsys):
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     reached = []
