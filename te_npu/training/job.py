@@ -136,14 +136,36 @@ class StopRequest:
 
 
 def root_cause(exc: BaseException) -> BaseException:
-    """``exc``, or the interruption / config error a DCP ``CheckpointException`` carries from a rank."""
-    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    """``exc``, or what is behind it: an interruption anywhere in its chain (a signal that lands
+    inside ``torch.save`` surfaces as the writer's "unexpected pos" error, raised while handling
+    it, possibly carried by DCP's ``CheckpointException`` from another rank), or the config error
+    / stop rule a ``CheckpointException`` carries from a rank."""
+    chain = _chain(exc, set())
+    for inner in chain:  # an interruption anywhere: whatever it broke on the way is its consequence
+        if isinstance(inner, (JobInterrupted, KeyboardInterrupt)):
+            return inner
+    failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         for failure in failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, (JobInterrupted, KeyboardInterrupt, ConfigError, TrainingDiverged)):
+            if isinstance(inner, (ConfigError, TrainingDiverged)):
                 return inner
     return exc
+
+
+def _chain(exc: BaseException | None, seen: set) -> list[BaseException]:
+    out = []
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        out.append(exc)
+        failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(inner, BaseException):
+                    out.extend(_chain(inner, seen))
+        exc = exc.__cause__ or exc.__context__
+    return out
 
 
 def exit_code_for(exc: BaseException) -> int:

@@ -97,3 +97,23 @@ def test_job_interruption_inside_dcp_keeps_its_exit_code(capsys):
     wrapped = CheckpointException("write", {1: _wrap_exception(interrupted)})
     assert run_job(_raise(wrapped)) == 128 + signal.SIGINT
     assert "interrupted by SIGINT; stopped without saving" in capsys.readouterr().err
+
+
+def test_job_signal_inside_a_checkpoint_write_is_reported_as_the_signal(capsys):
+    """SIGTERM landing in torch.save: its zip writer's __exit__ raises "unexpected pos" while the
+    interruption propagates, and DCP hands that to every rank; the job still reports the signal."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from te_npu.training.job import JobInterrupted
+
+    def body(stop):
+        try:
+            try:
+                raise JobInterrupted(signal.SIGTERM)
+            except JobInterrupted:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        except RuntimeError as exc:
+            raise CheckpointException("write", {0: exc}) from None
+
+    assert run_job(body) == 128 + signal.SIGTERM
+    assert "interrupted by SIGTERM; stopped without saving" in capsys.readouterr().err
