@@ -200,7 +200,10 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
         exc = root_cause(exc)
         code = exit_code_for(exc)
         guard.watchdog.arm(ERROR_PATH_DEADLINE_S, code, "the error path did not finish")
-        multi_rank = dist.is_initialized() and dist.get_world_size() > 1
+        # a rank of a multi-rank job leaves with os._exit even when its process group is already
+        # (half) destroyed -- an interruption inside close(): an interpreter that finalizes with a
+        # live gloo group aborts ("terminate called without an active exception")
+        multi_rank = (dist.is_initialized() and dist.get_world_size() > 1) or stop.watch.started
         stall = stop.watch.diagnose() if multi_rank and code == EXIT_ERROR else None
         if stall is not None:  # a collective timed out because a peer went silent: that is the report
             exc, code = _Stalled(stall), EXIT_STALLED

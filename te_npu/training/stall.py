@@ -80,6 +80,11 @@ class StallWatch:
         finally:
             self._phase, self._since = outer, since if outer is not None else time.monotonic()
 
+    @property
+    def started(self) -> bool:
+        """The watch ran: this process is (or was) a rank of a multi-rank process group."""
+        return self._thread is not None
+
     def start(self, timeout_s: float, *, store, rank: int, world: int) -> None:
         """Start heartbeating through ``store`` (the process group's) as ``rank`` of ``world``."""
         if self.on_stall is None or world < 2 or self._thread is not None:

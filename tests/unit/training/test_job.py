@@ -117,3 +117,28 @@ def test_job_signal_inside_a_checkpoint_write_is_reported_as_the_signal(capsys):
 
     assert run_job(body) == 128 + signal.SIGTERM
     assert "interrupted by SIGTERM; stopped without saving" in capsys.readouterr().err
+
+
+def test_job_rank_of_a_multi_rank_job_never_finalizes_on_the_error_path(tmp_path):
+    """An interruption inside close() can leave the process group half destroyed (no longer
+    "initialized", its gloo backend still referenced): a rank that was part of a multi-rank job
+    still leaves with os._exit, so the interpreter never finalizes with a live gloo group (which
+    aborts: "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, sys\n"
+        "from torch.distributed import HashStore\n"
+        "from te_npu.training.job import run_job\n"
+        "atexit.register(lambda: print('finalized', flush=True))\n"
+        "def body(stop):\n"
+        "    stop.watch.start(600, store=HashStore(), rank=0, world=2)  # as the trainer does with its group\n"
+        "    raise ValueError('after the group was torn down')\n"
+        "sys.exit(run_job(body))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=str(tmp_path))
+    assert done.returncode == EXIT_ERROR, done.stderr
+    assert "finalized" not in done.stdout and "ValueError: after the group was torn down" in done.stderr
