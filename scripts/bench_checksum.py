@@ -1,4 +1,5 @@
-"""Cost of the checkpoint manifest's CRC-32 versus reading the same bytes, in seconds per GiB.
+"""Cost of the checkpoint manifest's CRC-32 and the token files' SHA-256 versus reading the same
+bytes, in seconds per GiB.
 
 Writes ``--files`` files of random bytes (``--gib`` GiB in all, like one rank's DCP shards)
 under ``--dir``, then times, from the page cache (the state right after a save):
@@ -6,20 +7,21 @@ under ``--dir``, then times, from the page cache (the state right after a save):
 * ``read``: reading every file in 16 MiB chunks, nothing else (the baseline);
 * ``crc32 1 thread``: ``checkpoint_manifest.file_entry`` on each file in turn;
 * ``crc32 hash_files``: ``checkpoint_manifest.hash_files`` (what save / load run: up to 4 threads);
-* ``sha256 1 thread``: for comparison (a cryptographic digest, not used).
+* ``sha256 1 thread``: ``token_checksum.sha256_of`` on each file in turn (what opening a token
+  file whose header records its digest costs: ``te_npu.training.token_checksum``).
 
 "ratio" is each row's time over the read baseline's. Medians of ``--repeats`` runs.
 
     PYTHONPATH=. python scripts/bench_checksum.py [--gib 1] [--files 4] [--dir /tmp] [--repeats 5]
 """
 import argparse
-import hashlib
 import os
 import statistics
 import tempfile
 import time
 
 from te_npu.distributed.checkpoint_manifest import file_entry, hash_files
+from te_npu.training.token_checksum import sha256_of
 
 _CHUNK = 16 << 20
 
@@ -30,14 +32,6 @@ def _read(paths):
         with open(path, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
-
-
-def _sha256(paths):
-    for path in paths:
-        digest = hashlib.sha256()
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
 
 
 def main():
@@ -60,7 +54,7 @@ def main():
             "read": lambda: _read(paths),
             "crc32 1 thread": lambda: [file_entry(p) for p in paths],
             "crc32 hash_files": lambda: hash_files(work, names),
-            "sha256 1 thread": lambda: _sha256(paths),
+            "sha256 1 thread": lambda: [sha256_of(p) for p in paths],
         }
         _read(paths)  # page cache warm, as right after a save
         times = {}

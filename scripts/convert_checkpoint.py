@@ -15,6 +15,11 @@ pretraining) describes. DCP -> HF writes the FP32 masters cast to ``--dtype`` (t
 FP32, as in transformers), per-expert keys (``--stacked-experts`` for transformers' in-memory
 layout), ``config.json`` and ``model.safetensors.index.json``; the result loads with
 ``transformers.DeepseekV3ForCausalLM.from_pretrained``. Conversion runs on CPU (gloo).
+When the config names the HF directory the run started from (``checkpoint.initial_load_path``),
+the export carries its ``config.json`` fields and copies its tokenizer files.
+
+Errors are one line: a bad argument, config or input (``ConfigError``) exits 2, anything else 1
+with its traceback, as a training job (``te_npu.training.job.run_job``).
 """
 from __future__ import annotations
 
@@ -48,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from te_npu.training.job import run_job
+
+    return run_job(lambda stop: _convert(args))
+
+
+def _convert(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from models.deepseek_v3.pretrain import DeepseekV3Task
@@ -60,23 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     if owns_group:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    try:
-        if args.direction == "dcp-to-hf":
-            report = dcp_to_hf(cfg, DeepseekV3Task(), args.checkpoint, args.out, dtype=args.dtype,
-                               max_shard_mb=args.max_shard_mb, per_expert=not args.stacked_experts,
-                               overwrite=args.overwrite, progress=not args.no_progress)
-            if rank == 0:
-                print(f"convert_checkpoint: wrote {report.directory}: {len(report.files)} file(s), "
-                      f"{report.num_tensors} tensors, {report.total_bytes / 2**20:.1f} MiB ({args.dtype})")
-        else:
-            path = hf_to_dcp(cfg, DeepseekV3Task(), args.hf, args.out, progress=not args.no_progress)
-            if rank == 0:
-                print(f"convert_checkpoint: wrote {path} (step 0; resume with checkpoint.dir={args.out} "
-                      "checkpoint.resume=true)")
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
-    return 0
+    if args.direction == "dcp-to-hf":
+        report = dcp_to_hf(cfg, DeepseekV3Task(), args.checkpoint, args.out, dtype=args.dtype,
+                           max_shard_mb=args.max_shard_mb, per_expert=not args.stacked_experts,
+                           overwrite=args.overwrite, progress=not args.no_progress)
+        if rank == 0:
+            print(f"convert_checkpoint: wrote {report.directory}: {len(report.files)} file(s), "
+                  f"{report.num_tensors} tensors, {report.total_bytes / 2**20:.1f} MiB ({args.dtype})")
+    else:
+        path = hf_to_dcp(cfg, DeepseekV3Task(), args.hf, args.out, progress=not args.no_progress)
+        if rank == 0:
+            print(f"convert_checkpoint: wrote {path} (step 0; resume with checkpoint.dir={args.out} "
+                  "checkpoint.resume=true)")
+    if owns_group:  # the success path only: a failure leaves through run_job (no barrier)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

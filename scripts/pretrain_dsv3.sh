@@ -10,7 +10,7 @@
 # quantization kernel is a config key too (training.quant_kernel: auto | eager | compiled | native,
 # default auto = native C++ kernels for CPU recipes when they build; rank 0 prints the choice),
 # e.g. `bash scripts/pretrain_dsv3.sh training.quant_kernel=eager`.
-# Exit code: the first failing rank's (0 done, 1 error, 2 configuration error, 3 diverged,
+# Exit code: the first failing rank's (0 done, 1 error, 2 configuration error, 3 diverged, 4 stalled,
 # 128 + signal when interrupted), with a one-line summary instead of torchrun's traceback.
 set -euo pipefail
 cd "$(dirname "$0")/.."

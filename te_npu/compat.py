@@ -34,6 +34,10 @@ private name                                               used for
 ``nn.Module._non_persistent_buffers_set``                  which buffers a state dict leaves out
 ``Tensor._version``                                        has a tensor been written since (a cached
                                                            gather of a K-sharded weight's scales)
+``torch.distributed.checkpoint.filesystem._StorageInfo``,  what a DCP ``.metadata`` pickle is made of:
+``torch.distributed.checkpoint.metadata                    the restricted unpickler of
+._MEM_FORMAT_ENCODING``, ``torch.serialization            ``distributed/checkpoint_metadata.py``
+._get_layout``                                             resolves exactly these
 ``torch.distributed._composable_state._module_state_mapping``
                                                            the FSDP2 unit that manages a parameter
 FSDP2 ``FSDPState._fsdp_param_groups`` (older torch:       its parameter groups and their reshard
@@ -77,6 +81,8 @@ __all__ = [
     "local_shape_and_global_offset",
     "non_persistent_buffer_names",
     "version_counter",
+    "DCP_METADATA_PRIVATE_GLOBALS",
+    "dcp_metadata_private_globals",
     "FSDPParamInfo",
     "fsdp_param_info",
     "fit_all_gather_outputs",
@@ -104,6 +110,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.checkpoint._consolidate_hf_safetensors", "_consolidate_safetensors_files"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("torch.distributed._composable_state", "_module_state_mapping"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.serialization", "_get_layout"),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState"),
     ("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState.PRE_BACKWARD"),
 )
@@ -257,6 +266,22 @@ def version_counter(t: torch.Tensor) -> int:
 def non_persistent_buffer_names(module: nn.Module) -> frozenset[str]:
     """Names of ``module``'s own buffers registered with ``persistent=False``."""
     return frozenset(module._non_persistent_buffers_set)
+
+
+DCP_METADATA_PRIVATE_GLOBALS: tuple[tuple[str, str], ...] = (
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # one storage entry (file, offset, length)
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # TensorProperties' pickled memory format
+    ("torch.serialization", "_get_layout"),  # how torch.layout pickles: _get_layout("torch.strided")
+)
+"""The private ``(module, name)`` globals a DCP ``.metadata`` pickle refers to (torch 2.13,
+``FileSystemWriter.finish``'s ``pickle.dump`` of ``Metadata``)."""
+
+
+def dcp_metadata_private_globals() -> dict[tuple[str, str], Any]:
+    """``{(module, name): object}`` of ``DCP_METADATA_PRIVATE_GLOBALS``."""
+    import importlib
+
+    return {(m, n): getattr(importlib.import_module(m), n) for m, n in DCP_METADATA_PRIVATE_GLOBALS}
 
 
 # ---- FSDP2 internals (the quantized-weight all-gather extension) ----------------------------------

@@ -1,6 +1,7 @@
 """DCP checkpoints of the high-precision view (spec sections 11, 13.6).
 
-Layout of ``dir`` (one sub-directory per step, written atomically)::
+Layout of ``dir`` (one sub-directory per step, written atomically; the folder's namespace and
+its rules -- ``latest``, rollback, pruning, what is never touched -- are ``checkpoint_folder``'s)::
 
     dir/step_{N}/           DCP files (.metadata + __{rank}_{i}.distcp shards) of
                               model.<fqn>               BF16 logical weights (param dtype), persistent buffers
@@ -11,7 +12,7 @@ Layout of ``dir`` (one sub-directory per step, written atomically)::
     dir/step_{N}/te_npu.json  {"step": N, "world_size": W, "lineage": id, "parent": M or null, "saved": time}
     dir/step_{N}/extra_rank{r}.pt   the caller's ``extra`` of rank r (torch.save, weights_only-loadable)
     dir/step_{N}/manifest.json      every file above with its size and CRC-32, written last
-    dir/latest              "step_{N}" of the newest complete save
+    dir/latest              "step_{N}" of the newest published save
     dir/te_npu.lock         held by the job writing here (``checkpoint_lock``; the Trainer takes it)
 
 Quantized parameters are saved as ``master.to(param.dtype)`` -- plain DTensors/tensors, never
@@ -19,14 +20,23 @@ the 8-bit wrapper (DCP would pickle it, and weights_only loading refuses it); no
 or scale is saved: both are rebuilt from the masters on load. Keys are the model's own
 parameter names, so DCP reshards on load (saved with 2 ranks, loadable with 1).
 
-Atomicity: every rank writes into ``step_{N}.tmp``; after a barrier each rank hashes the files
-it wrote, rank 0 writes the manifest (last), renames ``step_{N}.tmp`` to ``step_{N}``, then moves
-``latest`` (temp file + fsync + ``os.replace``) and prunes. A save that dies (or is interrupted)
-at any point leaves the previous ``latest`` and the step it names untouched.
+Atomicity: the ranks first agree that the folder has room for the step (``disk_space``: a save
+that cannot fit fails before writing, naming the folder and the bytes), then every rank writes
+into ``step_{N}.tmp``; after a barrier each rank hashes the files it wrote, rank 0 writes the
+manifest (last), moves ``latest`` to ``step_{N}`` (the publication point), renames the directory
+and prunes. A save that dies before publication leaves the previous ``latest`` and its step
+untouched; one that dies after it is completed by the next job on the folder
+(``checkpoint_folder.finish_interrupted_save``). A full disk mid-save is a ``DiskFullError`` in
+one line, whatever layer noticed it. An existing ``step_{N}`` of this run (a redone step) is
+set aside into ``abandoned/``, never replaced; another run's is never touched.
 
 Complete or nothing: ``load`` verifies the step against its manifest first (sizes always,
 CRC-32 with ``checksums``; ranks split the files), so a missing ``extra_rank{r}.pt``, a
 truncated or corrupted shard fails naming the file and the previous complete step.
+
+Nothing runs from a checkpoint: ``.metadata`` (a pickle) is read only through
+``checkpoint_metadata.SafeFileSystemReader``, which resolves DCP's own metadata classes and
+nothing else, and DCP loads tensor bytes with ``weights_only=True``; ``extra`` too.
 
 Lineage and history: each save records the run it belongs to (``lineage``, kept across
 resumes) and its ``parent``, the step its run resumed from or saved before it. ``keep_last``
@@ -43,7 +53,6 @@ import os
 import re
 import shutil
 import time
-import uuid
 from typing import Any
 
 import torch
@@ -53,15 +62,23 @@ from torch import nn
 
 from te_npu.compat import local_tensor, non_persistent_buffer_names
 from te_npu.errors import ConfigError
+from te_npu.distributed import checkpoint_folder as folder
+from te_npu.distributed.checkpoint_folder import (
+    latest_checkpoint,
+    list_steps,
+    new_lineage,
+    previous_complete_step,
+    step_info,
+)
 from te_npu.distributed.checkpoint_manifest import (
-    MANIFEST_NAME,
     ManifestError,
-    fsync_dir,
     hash_files,
     read_manifest,
     verify_files,
     write_manifest,
 )
+from te_npu.distributed.checkpoint_metadata import SafeFileSystemReader, read_metadata_safely
+from te_npu.distributed.disk_space import DiskFullError, format_bytes, free_bytes, raise_if_disk_full
 from te_npu.distributed.optim import MasterWeightOptimizer, refresh_low_precision_weights
 from te_npu.tensor import QuantizedWeightTensor
 from te_npu.distributed import process_group
@@ -76,18 +93,16 @@ __all__ = [
     "previous_complete_step",
     "new_lineage",
     "persistent_buffers",
+    "read_metadata",
+    "DiskFullError",
 ]
 
-_LATEST = "latest"
-_META = "te_npu.json"
+_META = folder.META
 _STEP_DIR = re.compile(r"step_(\d+)")
 _DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
 _EXTRA = re.compile(r"extra_rank(\d+)\.pt")
-
-
-def new_lineage() -> str:
-    """A fresh lineage id for a run that starts from scratch."""
-    return uuid.uuid4().hex[:16]
+_PER_TENSOR_BYTES = 4096  # DCP's per-item framing (a torch.save record per tensor), generously
+_SPACE_MARGIN = 1.05, 64 << 20  # the estimate x 1.05 + 64 MiB must be free before a save starts
 
 
 def save(
@@ -113,19 +128,28 @@ def save(
     rank, world = process_group.rank(), process_group.world_size()
     name = f"step_{int(step)}"
     final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
+    what = f"checkpoint.save of step {int(step)} to {directory}"
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         if lineage is None:
-            lineage, parent = _latest_position(directory)
-        _refuse_foreign(final, lineage)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died
+            lineage, parent = folder.latest_position(directory)
+        folder.refuse_foreign(final, lineage)
+        shutil.rmtree(tmp, ignore_errors=True)  # an unpublished save that died: never a published step
+    state = _state_dict(model, optimizer, for_save=True)
+    needed = _check_room(directory, state, what)  # collective: every rank agrees, before anything is written
+    if rank == 0:
         os.makedirs(tmp)
     process_group.barrier()
-    dcp.save(_state_dict(model, optimizer, for_save=True), checkpoint_id=tmp)
-    torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
-    if rank == 0:
-        _write_json(os.path.join(tmp, _META), {"step": int(step), "world_size": world, "lineage": lineage,
-                                               "parent": parent, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+        torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
+        if rank == 0:
+            _write_json(os.path.join(tmp, _META), {"step": int(step), "world_size": world, "lineage": lineage,
+                                                   "parent": parent, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    except BaseException as exc:  # a full disk: anything from OSError to "unexpected pos", in DCP's CheckpointException
+        raise_if_disk_full(exc, directory, needed, what)
+        raise
+    del state
     process_group.barrier()
     mine = [n for n in os.listdir(tmp) if _writer_rank(n, world) == rank]
     entries = _gather_dicts(hash_files(tmp, mine))
@@ -133,14 +157,25 @@ def save(
         missing = sorted(set(os.listdir(tmp)) - set(entries))
         if missing:
             raise RuntimeError(f"checkpoint.save: {tmp}: files {missing} appeared while hashing")
-        write_manifest(tmp, step, entries)  # last file of the step: its presence means complete
-        os.rename(tmp, final)
-        fsync_dir(directory)
-        _write_latest(directory, name)
+        try:
+            write_manifest(tmp, step, entries)  # last file of the step: its presence means complete
+            if os.path.exists(final):  # this run's own step_N (refuse_foreign passed): a redone step
+                folder.set_aside(directory, [name], folder.ABANDONED)
+            folder.publish(directory, name)  # latest -> step_N, then the rename
+        except BaseException as exc:  # noqa: BLE001 - re-raised as it is unless the disk is full
+            raise_if_disk_full(exc, directory, needed, what)
+            raise
         if keep_last is not None:
-            _prune(directory, keep_last, lineage, int(step))  # the history chain from step_{step}
+            folder.prune(directory, keep_last, lineage, int(step))  # the history chain from step_{step}
     process_group.barrier()
     return final
+
+
+def prune(directory: str | os.PathLike, keep_last: int, lineage: str, newest: int) -> None:
+    """Rank 0: delete the steps of ``newest``'s history beyond the newest ``keep_last``
+    (``checkpoint_folder.prune``); a no-op on the other ranks and for ``keep_last`` 0."""
+    if process_group.rank() == 0 and keep_last:
+        folder.prune(os.fspath(directory), keep_last, lineage, int(newest))
 
 
 def load(
@@ -175,63 +210,13 @@ def load(
     else:
         all_buffers = persistent_buffers(model)
         state["model"] = {fqn: t for fqn, t in state["model"].items() if fqn in buffers or fqn not in all_buffers}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=SafeFileSystemReader(path))
     if optimizer is not None:
         optimizer.rebuild_weights_from_masters()
     else:
         _weights_from_model_view(model, state["model"])
     extra = torch.load(extra_path, weights_only=True)
     return int(info["step"]), extra
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> str:
-    """The DCP step directory ``directory`` refers to (``latest``'s step, or ``directory`` itself
-    if it is a step directory); ``ConfigError`` naming what is wrong otherwise."""
-    directory = os.fspath(directory)
-    if os.path.isfile(directory):
-        raise ConfigError(f"checkpoint {directory!r} is a file; only DCP checkpoint directories are supported")
-    if _is_step_dir(directory):
-        return directory
-    marker = os.path.join(directory, _LATEST)
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            name = f.read().strip()
-        path = os.path.join(directory, name)
-        if not os.path.exists(path):
-            raise ConfigError(f"{marker} names {name!r}, but {path} does not exist (deleted or never written); "
-                              f"{_steps_hint(directory)}")
-        if not _is_step_dir(path):
-            raise ConfigError(f"{marker} names {name!r}, but {path} is not a te_npu DCP checkpoint step "
-                              f"(no {_META} / .metadata in it); {_steps_hint(directory)}")
-        return path
-    steps = list_steps(directory)
-    if steps:
-        raise ConfigError(f"{directory!r} holds {_names(steps)} but no 'latest' marker (deleted?): name the step "
-                          f"to load (checkpoint.load_step={steps[-1]} for the newest)")
-    raise ConfigError(f"{directory!r} is not a te_npu DCP checkpoint (no 'latest' marker, no step_N directory); "
-                      "only DCP checkpoints written by te_npu.distributed.checkpoint.save load")
-
-
-def list_steps(directory: str | os.PathLike) -> list[int]:
-    """Step numbers of the ``step_N`` directories in ``directory`` (complete or not), ascending."""
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.fullmatch(n))
-                  and os.path.isdir(os.path.join(directory, n)))
-
-
-def step_info(step_dir: str | os.PathLike) -> dict:
-    """``te_npu.json`` of a step directory: ``step``, ``world_size``, ``lineage`` (None if older), ``saved``."""
-    path = os.path.join(step_dir, _META)
-    try:
-        with open(path) as f:
-            info = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"checkpoint {os.fspath(step_dir)}: cannot read {_META}: {exc}") from None
-    info.setdefault("lineage", None)
-    return info
 
 
 def verify_step(step_dir: str | os.PathLike, *, checksums: bool = True) -> None:
@@ -254,19 +239,12 @@ def verify_step(step_dir: str | os.PathLike, *, checksums: bool = True) -> None:
         more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
         raise ConfigError(f"checkpoint {step_dir} is incomplete or corrupt: {problems[0]}{more}; "
                           f"{_previous_hint(step_dir)}")
+    read_metadata(step_dir)  # its pickle, read safely: a crafted one is refused here, before any build
 
 
-def previous_complete_step(directory: str | os.PathLike, before: int) -> int | None:
-    """The newest step below ``before`` whose manifest reads and whose files have their sizes."""
-    for step in reversed([s for s in list_steps(directory) if s < before]):
-        path = os.path.join(directory, f"step_{step}")
-        try:
-            files = read_manifest(path)
-        except ManifestError:
-            continue
-        if not verify_files(path, files, files, checksums=False):
-            return step
-    return None
+def read_metadata(step_dir: str | os.PathLike):
+    """The step's DCP ``Metadata``, read without running code (``checkpoint_metadata``)."""
+    return read_metadata_safely(os.path.join(os.fspath(step_dir), ".metadata"))
 
 
 # ---- state dicts -------------------------------------------------------------------------------
@@ -304,7 +282,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _saved_buffers(model: nn.Module, path: str) -> set[str]:
     """Buffers of ``model`` that the checkpoint holds (checkpoints before buffers were saved hold none)."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     return {fqn for fqn in persistent_buffers(model) if f"model.{fqn}" in saved}
 
 
@@ -355,20 +333,34 @@ def _writer_rank(name: str, world: int) -> int:
     return rank if rank < world else 0
 
 
-def _is_step_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, _META)) and os.path.isfile(os.path.join(path, ".metadata"))
+def _check_room(directory: str, state: dict, what: str) -> int:
+    """Bytes the step needs (every rank's shards, estimated); ``DiskFullError`` on every rank,
+    before anything is written, when rank 0 sees less free space in ``directory`` than that
+    plus the headroom."""
+    tensors = [t for part in state.values() for t in _tensors(part)]
+    local = sum(_local_nbytes(t) for t in tensors) + _PER_TENSOR_BYTES * len(tensors) + (1 << 20)
+    free = free_bytes(directory) if process_group.rank() == 0 else 0
+    parts = _gather_lists([local, free])
+    total, free = sum(p[0] for p in parts), parts[0][1]
+    if free < int(total * _SPACE_MARGIN[0]) + _SPACE_MARGIN[1]:
+        raise DiskFullError(f"{what}: {directory} has {format_bytes(free)} free, the step needs about "
+                            f"{format_bytes(total)} ({len(parts)} rank(s)' shards) plus 5% and 64 MiB of headroom; "
+                            "nothing was written and 'latest' is unchanged: free space there or point checkpoint.dir "
+                            "at a larger disk")
+    return total
 
 
-def _names(steps: list[int]) -> str:
-    shown = ", ".join(f"step_{s}" for s in steps[-4:])
-    return ("..., " if len(steps) > 4 else "") + shown
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    return []
 
 
-def _steps_hint(directory: str) -> str:
-    steps = list_steps(directory)
-    if not steps:
-        return "the folder holds no step_N directory"
-    return f"the folder holds {_names(steps)}: name one with checkpoint.load_step=N"
+def _local_nbytes(t: torch.Tensor) -> int:
+    local = local_tensor(t)
+    return local.numel() * local.element_size()
 
 
 def _previous_hint(step_dir: str) -> str:
@@ -381,66 +373,8 @@ def _previous_hint(step_dir: str) -> str:
             f"resume from it with checkpoint.load_step={previous}")
 
 
-def _latest_position(directory: str) -> tuple[str, int | None]:
-    """``(lineage, step)`` of the step ``latest`` names, or a new lineage without parent."""
-    try:
-        info = step_info(latest_checkpoint(directory))
-    except ConfigError:
-        return new_lineage(), None
-    return info.get("lineage") or new_lineage(), int(info["step"])
-
-
-def _refuse_foreign(final: str, lineage: str) -> None:
-    if not os.path.exists(final):
-        return
-    try:
-        theirs = step_info(final).get("lineage")
-    except ConfigError:
-        theirs = "unknown (no readable te_npu.json)"
-    if theirs != lineage:
-        raise RuntimeError(f"checkpoint.save: {final} exists and belongs to another run (lineage {theirs}, this "
-                           f"run {lineage}); refusing to replace it")
-
-
 def _write_json(path: str, record: dict) -> None:
     with open(path, "w") as f:
         json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _write_latest(directory: str, name: str) -> None:
-    tmp = os.path.join(directory, _LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, _LATEST))
-    fsync_dir(directory)
-
-
-def _prune(directory: str, keep_last: int, lineage: str, newest: int) -> None:
-    """Delete the complete steps of ``newest``'s history chain (``parent`` links, same lineage)
-    beyond the newest ``keep_last``; nothing off the chain is touched.
-
-    A pruned step is renamed ``step_K.pruning`` first (atomic), so an interrupted prune never
-    leaves a half-deleted ``step_K``; leftover ``.pruning`` directories go on the next prune.
-    """
-    chain, step = [], newest
-    while step is not None and (not chain or step < chain[-1]):
-        path = os.path.join(directory, f"step_{step}")
-        try:
-            info = step_info(path)
-        except ConfigError:
-            break  # the chain ends where a step is gone (pruned earlier) or unreadable
-        if info.get("lineage") != lineage or int(info.get("step", -1)) != step:
-            break
-        chain.append(step)
-        step = info.get("parent")
-    for step in chain[keep_last:]:
-        path = os.path.join(directory, f"step_{step}")
-        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            os.rename(path, path + ".pruning")
-    for name in os.listdir(directory):
-        if name.endswith(".pruning") and _STEP_DIR.fullmatch(name[: -len(".pruning")]):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)

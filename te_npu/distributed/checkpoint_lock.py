@@ -68,9 +68,9 @@ def acquire_folder_lock(directory: str, *, key: str = "checkpoint.dir") -> Folde
         os.close(fd)
         if exc.errno not in (errno.EACCES, errno.EAGAIN):
             raise ConfigError(f"{key}: cannot lock {path!r}: {exc.strerror or exc}") from None
-        raise ConfigError(f"{key}: {directory!r} is in use by another job ({_describe(previous)}; lock file {path}); "
-                          f"two jobs must not write one checkpoint folder: stop that job{_hint(previous)}, "
-                          "or give this run another checkpoint.dir") from None
+        raise ConfigError(f"{key}: {directory!r} is in use by another job ({_describe_holder_of(path, previous)}; "
+                          f"lock file {path}); two jobs must not write one checkpoint folder: wait for that job to "
+                          "end or stop it, or give this run another checkpoint.dir") from None
     previous = _read(fd)
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": _now(), "argv": sys.argv}
     try:
@@ -83,23 +83,43 @@ def acquire_folder_lock(directory: str, *, key: str = "checkpoint.dir") -> Folde
 
 
 def describe_holder(holder: dict | None) -> str:
-    """``host h, pid p, started t`` of a lock file's content."""
-    return _describe(holder)
-
-
-def _describe(holder: dict | None) -> str:
+    """``host h, pid p, started t`` of a lock file's content (a record, not a claim that it runs)."""
     if not holder:
-        return "holder unknown: the lock file is empty"
-    text = f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}"
-    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
-        text += "; that pid is gone here, so a process that inherited its lock still holds it"
+        return "holder unknown: the lock file was empty"
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}"
+
+
+def _describe_holder_of(path: str, holder: dict | None) -> str:
+    """Who holds the lock on ``path`` now: the recorded holder, checked against this host's
+    processes and, on Linux, the kernel's own table of POSIX locks."""
+    text = describe_holder(holder)
+    actual = _local_lock_holder(path)
+    recorded = holder.get("pid") if holder and holder.get("host") == socket.gethostname() else None
+    if actual is not None and actual != recorded:
+        return f"{text} according to the lock file, but the kernel says pid {actual} on this host holds the lock"
+    if isinstance(recorded, int):
+        return text + ("; it is running" if _alive(recorded) else "")
     return text
 
 
-def _hint(holder: dict | None) -> str:
-    if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        return f" (an orphan of a killed launcher? `kill {holder['pid']}`)"
-    return ""
+def _local_lock_holder(path: str) -> int | None:
+    """The pid of the local process that holds a POSIX lock on ``path`` (``/proc/locks``; None
+    where that table does not exist or lists no local holder, e.g. a lock taken over NFS)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "POSIX" and fields[5] == inode:
+            try:
+                return int(fields[4])
+            except ValueError:
+                return None
+    return None
 
 
 def _alive(pid: int) -> bool:

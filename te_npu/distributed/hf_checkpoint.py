@@ -17,6 +17,17 @@ consolidate the output files between them (file ``i`` on rank ``(i - 1) % world`
 ``_consolidate_hf_safetensors``, one tensor in memory at a time), rank 0 writes
 ``model.safetensors.index.json`` and ``config.json`` and renames ``<dir>.tmp`` to ``<dir>``:
 no rank gathers the model, and a save that dies leaves no half-written ``<dir>``.
+
+What an export may replace: ``<dir>`` absent or empty, or, with ``owner``, a directory whose
+``te_npu_export.json`` (written into every export with ``owner``'s record) names the same
+lineage: an earlier export of the same run. Anything else is refused before any tensor is
+written unless ``overwrite``. An existing ``<dir>`` is renamed ``<dir>.replaced`` before the new
+one takes its name and deleted after. Rank 0 checks the free space first (the staging files and
+the consolidated ones coexist: twice the export's bytes). ``extra_files`` are copied in as they are
+(the source checkpoint's tokenizer files, ``generation_config.json``).
+
+Every file read is named in the error it causes: a ``config.json`` or index that is not JSON, a
+safetensors file whose header does not parse or that is shorter than its header says.
 """
 from __future__ import annotations
 
@@ -34,6 +45,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.tensor import DTensor
 
 from te_npu.compat import consolidate_safetensors_files, local_shape_and_global_offset
+from te_npu.distributed.disk_space import DiskFullError, format_bytes, free_bytes, raise_if_disk_full
 from te_npu.distributed.hf_layout import HFKeyMap, HFPiece, HFStoredTensor, plan_hf_read, plan_hf_write
 from te_npu.distributed.progress import ProgressBar
 from te_npu.errors import ConfigError
@@ -48,11 +60,15 @@ __all__ = [
     "load_hf_weights",
     "save_hf_weights",
     "hf_file_names",
+    "export_owner",
+    "EXPORT_RECORD",
 ]
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+EXPORT_RECORD = "te_npu_export.json"
+"""Written into every export made with an ``owner``: which run (lineage) and step it holds."""
 _SUFFIX = ".safetensors"
 
 
@@ -122,19 +138,24 @@ def open_hf_checkpoint(path: str | os.PathLike, *, where: str) -> HFCheckpoint:
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
         raise ConfigError(f"{where}: {path!r} has no {CONFIG_FILE}")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    config = _read_json(config_path, where)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: {config_path}: not a JSON object")
     files = sorted(n for n in os.listdir(path) if n.endswith(_SUFFIX))
     if not files:
         raise ConfigError(f"{where}: {path!r} has no *{_SUFFIX} file")
+    for name in files:
+        _check_safetensors_header(os.path.join(path, name), where)
     metadata = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
     twice = sorted(k for k, m in metadata.items() if len(m.chunks) > 1)
     if twice:
         raise ConfigError(f"{where}: {path!r}: keys stored in more than one file: {twice[:20]}")
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        index = _read_json(index_path, where)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{where}: {index_path}: no 'weight_map' object in it")
         absent = sorted(set(weight_map.values()) - set(files))
         unlisted = sorted(set(files) - set(weight_map.values()))
         if absent or unlisted:
@@ -253,6 +274,8 @@ def save_hf_weights(
     max_shard_bytes: int = 5 * 2**30,
     per_expert: bool = True,
     overwrite: bool = False,
+    owner: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, str] | None = None,
     progress: bool = False,
     threads: int = 1,
 ) -> HFWriteReport:
@@ -260,23 +283,79 @@ def save_hf_weights(
 
     dtype: the tensors' dtype on disk (``key_map.keep_fp32`` FQNs stay FP32); config: the
     ``config.json`` to write (its ``dtype`` is set to ``dtype``); per_expert: split expert
-    stacks into per-expert keys (``save_pretrained``'s layout). Every rank calls it. An existing
-    non-empty ``directory`` is replaced only with ``overwrite``.
+    stacks into per-expert keys (``save_pretrained``'s layout). Every rank calls it. What an
+    existing ``directory`` may be (see the module doc): empty, an earlier export of ``owner``'s
+    lineage, or anything with ``overwrite``. owner: the record written as ``te_npu_export.json``
+    (``lineage``, ``step``); extra_files: ``{name in the export: source path}`` copied in.
     """
     final = os.path.abspath(os.fspath(directory))
     tmp = final + ".tmp"
     staging = os.path.join(tmp, "sharded")
-    if os.path.exists(final) and not overwrite and not (os.path.isdir(final) and not os.listdir(final)):
-        raise ConfigError(f"HF export: {final!r} already exists and is not empty (pass overwrite to replace it)")
     entries = plan_hf_write({fqn: tuple(t.shape) for fqn, t in sources.items()}, key_map, dtype=dtype,
                             max_shard_bytes=max_shard_bytes, per_expert=per_expert)
     names = hf_file_names(max(e.file_index for e in entries))
     rank, world = process_group.rank(), process_group.world_size()
+    total = sum(_numel(e.shape) * e.dtype.itemsize for e in entries)
+    what = f"HF export to {final}"
+    problem = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an export that died
-        os.makedirs(staging)
-    process_group.barrier()
+        refused = _replace_problem(final, owner, overwrite)
+        needed = 2 * total + (64 << 20)  # the sharded staging files and the consolidated ones coexist
+        if refused is None:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an export that died
+        if refused is not None:
+            problem = ("config", refused)
+        elif (free := free_bytes(os.path.dirname(final))) < needed:
+            problem = ("space", f"{what}: {os.path.dirname(final)} has {format_bytes(free)} free, the export needs "
+                                f"about {format_bytes(needed)} while it is written; nothing was written")
+        else:
+            os.makedirs(staging)
+    problem = _rank0_decision(problem)
+    if problem is not None:
+        kind, message = problem
+        raise ConfigError(message) if kind == "config" else DiskFullError(message)
 
+    try:
+        _write_shards(staging, sources, entries, threads)
+        process_group.barrier()
+        mine = [i for i in names if (i - 1) % world == rank]
+        with ProgressBar(len(mine), f"writing HF files (rank {rank}'s {len(mine)} of {len(names)})",
+                         enabled=progress, unit="file") as bar:
+            for index in mine:
+                mapping = {e.key: names[index] for e in entries if e.file_index == index}
+                consolidate_safetensors_files(staging, tmp, mapping, num_threads=1)
+                bar.update()
+        process_group.barrier()
+        if rank == 0:
+            if len(names) > 1:
+                weight_map = {e.key: names[e.file_index] for e in entries}
+                _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+            _write_json(os.path.join(tmp, CONFIG_FILE), {**config, "dtype": str(dtype).removeprefix("torch.")})
+            for name, source in sorted((extra_files or {}).items()):
+                shutil.copyfile(source, os.path.join(tmp, name))
+            if owner is not None:
+                _write_json(os.path.join(tmp, EXPORT_RECORD), dict(owner))
+            shutil.rmtree(staging)
+            _replace_dir(tmp, final)
+    except BaseException as exc:  # a full disk: anything from OSError to "unexpected pos", in DCP's CheckpointException
+        raise_if_disk_full(exc, os.path.dirname(final), 2 * total, what)
+        raise
+    process_group.barrier()
+    return HFWriteReport(final, tuple(names.values()), len(entries), total)
+
+
+def export_owner(directory: str | os.PathLike) -> dict | None:
+    """The ``te_npu_export.json`` record of an export directory (None if it has none or it is unreadable)."""
+    try:
+        with open(os.path.join(directory, EXPORT_RECORD), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _write_shards(staging: str, sources: Mapping[str, torch.Tensor], entries, threads: int) -> None:
+    """Every rank's shards of every entry into ``staging`` (DCP's HF writer, distributed)."""
     state: dict[str, torch.Tensor] = {}
     for entry in entries:
         source = sources[entry.fqn].detach()
@@ -290,32 +369,71 @@ def save_hf_weights(
     writer = HuggingFaceStorageWriter(staging, fqn_to_index_mapping={e.key: e.file_index for e in entries},
                                       save_distributed=True, thread_count=threads)
     dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
-    del state
-    process_group.barrier()
 
-    mine = [i for i in names if (i - 1) % world == rank]
-    with ProgressBar(len(mine), f"writing HF files (rank {rank}'s {len(mine)} of {len(names)})",
-                     enabled=progress, unit="file") as bar:
-        for index in mine:
-            mapping = {e.key: names[index] for e in entries if e.file_index == index}
-            consolidate_safetensors_files(staging, tmp, mapping, num_threads=1)
-            bar.update()
-    process_group.barrier()
-    total = sum(_numel(e.shape) * e.dtype.itemsize for e in entries)
-    if rank == 0:
-        if len(names) > 1:
-            weight_map = {e.key: names[e.file_index] for e in entries}
-            _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_json(os.path.join(tmp, CONFIG_FILE), {**config, "dtype": str(dtype).removeprefix("torch.")})
-        shutil.rmtree(staging)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    process_group.barrier()
-    return HFWriteReport(final, tuple(names.values()), len(entries), total)
+
+def _replace_problem(final: str, owner: Mapping[str, Any] | None, overwrite: bool) -> str | None:
+    """Why ``final`` must not be replaced (None: absent, empty, this run's earlier export, or ``overwrite``)."""
+    if not os.path.lexists(final) or overwrite:
+        return None
+    if not os.path.isdir(final):
+        return f"HF export: {final!r} exists and is not a directory"
+    held = sorted(os.listdir(final))
+    if not held:
+        return None
+    record = export_owner(final)
+    if owner is not None and record is not None and record.get("lineage") == owner.get("lineage"):
+        return None
+    shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+    return (f"HF export: {final!r} already exists and holds {shown}, which is not an earlier export of this run; "
+            "refusing to replace it (choose a new directory, or pass overwrite to replace it)")
+
+
+def _replace_dir(tmp: str, final: str) -> None:
+    """``tmp`` becomes ``final``; an existing ``final`` is renamed aside first and deleted after."""
+    aside = final + ".replaced"
+    if os.path.lexists(final):
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _rank0_decision(value: Any) -> Any:
+    """Rank 0's ``value``, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+def _read_json(path: str, where: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {path}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: {path}: cannot read it: {exc.strerror or exc}") from None
+
+
+def _check_safetensors_header(path: str, where: str) -> None:
+    """Parse one safetensors file's header (no tensor data is read): ``ConfigError`` naming the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for every defect
+        raise ConfigError(f"{where}: {path}: not a readable safetensors file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -146,8 +146,20 @@ class TrainingConfig:
     Stopping a dead run (``te_npu.training.divergence``): ``max_consecutive_skipped_steps``
     optimizer steps in a row skipped for non-finite gradients stop it (0: never);
     ``stop_on_nonfinite_loss`` stops it at the first non-finite training loss;
-    ``loss_spike_factor`` stops it when a loss exceeds that factor times the median of the
-    previous 20 (0: off). A stopped run saves nothing and exits non-zero.
+    ``max_loss_factor`` stops it, from the first step, when a loss exceeds that factor times
+    ``ln(vocab_size)`` (a uniform prediction's loss; 0: off); ``collapse_steps`` when that many
+    steps in a row have a zero grad norm or a loss flat at ``ln(vocab_size)`` (0: off);
+    ``loss_spike_factor`` when a loss exceeds that factor times the median of the previous 20
+    (0: off). A stopped run saves nothing, keeps no checkpoint saved after the divergence began
+    as good, and exits non-zero.
+
+    ``collective_timeout_s``: the longest any rank waits for its peers, in one collective or one
+    step: the process group's timeout, and the stall watch's (``te_npu.training.stall``: a rank
+    whose peer sends no heartbeat, or that spends a step waiting, that long names the stalled
+    rank in one line and ends the job with exit code 4). The default, 600 s, is Megatron's and
+    NCCL's 10 minutes: far above a 16B step on 8x A5, a resume's verification or an HF load of
+    16B split over the ranks; raise it for storage so slow that one collective inside a save
+    waits longer.
 
     ``quant_kernel``: which bit-identical kernels the emulation quantizes and decodes with
     (``te_npu.ops.kernels``), chosen once per run and logged by rank 0: ``eager`` (torch, the
@@ -183,6 +195,9 @@ class TrainingConfig:
     max_consecutive_skipped_steps: int = option(10, ge=0)
     stop_on_nonfinite_loss: bool = True
     loss_spike_factor: float = option(10.0, ge=0.0)
+    max_loss_factor: float = option(10.0, ge=0.0)
+    collapse_steps: int = option(3, ge=0)
+    collective_timeout_s: float = option(600.0, gt=0.0)
     quant_kernel: Literal["auto", "eager", "compiled", "native"] = "auto"
     peak_tflops: float | None = option(None, gt=0.0)
 
@@ -198,6 +213,9 @@ class TrainingConfig:
             raise ConfigError(f"training.quant_kernel: {kernel_problem} (training.device is {self.device!r})")
         if 0 < self.loss_spike_factor <= 1:
             raise ConfigError(f"training.loss_spike_factor: {self.loss_spike_factor} must be 0 (off) or > 1")
+        if 0 < self.max_loss_factor <= 1:
+            raise ConfigError(f"training.max_loss_factor: {self.max_loss_factor} must be 0 (off) or > 1 (a multiple "
+                              "of ln(vocab_size), the loss of a uniform prediction)")
 
     @property
     def resolved_backend(self) -> str:

@@ -4,7 +4,10 @@
 has none, and the persistent buffers) -> an HF safetensors directory in the asked dtype.
 ``hf_to_dcp``: an HF directory -> a te_npu DCP checkpoint at step 0 (masters = the HF values,
 AdamW moments zero), which ``checkpoint.resume: true`` with ``checkpoint.dir`` pointing at it
-continues exactly like ``checkpoint.initial_load_path`` would start.
+continues exactly like ``checkpoint.initial_load_path`` would start. It starts a lineage of its
+own and refuses an output folder that already holds a run's steps or ``latest`` (its ``step_0``
+would become that run's ``latest``, and ``resume: auto`` would restart from the HF weights); it
+holds the folder's lock while it writes, so it cannot meet a job writing there.
 
 Both run under torchrun (every rank holds and reads 1/world of each tensor whose dim 0 divides
 evenly, the rest whole) or in one process, on CPU: no 8-bit weights and no accelerator are
@@ -12,6 +15,8 @@ involved. ``scripts/convert_checkpoint.py`` is the command line; the model comes
 YAML config through its ``TrainTask`` (``build`` on meta, ``hf_adapter``).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -22,6 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 from te_npu.compat import non_persistent_buffer_names
 from te_npu.distributed import checkpoint
 from te_npu.distributed.checkpoint import persistent_buffers
+from te_npu.distributed.checkpoint_lock import acquire_folder_lock
+from te_npu.distributed.checkpoint_metadata import SafeFileSystemReader
 from te_npu.distributed.hf_checkpoint import HFWriteReport, save_hf_weights
 from te_npu.distributed.optim import MasterWeightOptimizer
 from te_npu.distributed.progress import ProgressBar
@@ -45,7 +52,8 @@ def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: s
     adapter = hf_weights.hf_adapter_of(task, cfg, where="model")
     with torch.device("meta"):
         model = task.build(cfg, _DTYPES[cfg.training.param_dtype])
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    checkpoint.verify_step(path, checksums=False)  # manifest sizes and a safely read .metadata, before any tensor
+    saved = checkpoint.read_metadata(path).state_dict_metadata
     params, buffers = dict(model.named_parameters()), persistent_buffers(model)
     keys = {fqn: f"optim.{fqn}.master" if f"optim.{fqn}.master" in saved else f"model.{fqn}" for fqn in params}
     keys.update({fqn: f"model.{fqn}" for fqn in buffers})
@@ -62,12 +70,14 @@ def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: s
     batches = [items[i: i + _LOAD_BATCH] for i in range(0, len(items), _LOAD_BATCH)]
     with ProgressBar(len(items), "reading DCP tensors", enabled=progress and process_group.rank() == 0, unit="tensor") as bar:
         for batch in batches:
-            dcp.load({keys[fqn]: t for fqn, t in batch}, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load({keys[fqn]: t for fqn, t in batch}, storage_reader=SafeFileSystemReader(path),
+                     no_dist=not dist.is_initialized())
             bar.update(len(batch))
     torch_dtype = hf_weights.EXPORT_DTYPES[dtype]
-    return save_hf_weights(out, tensors, adapter.key_map, adapter.config_json(torch_dtype), dtype=torch_dtype,
+    config, extra_files = hf_weights.export_config(adapter, torch_dtype, cfg.checkpoint.initial_load_path)
+    return save_hf_weights(out, tensors, adapter.key_map, config, dtype=torch_dtype,
                            max_shard_bytes=max_shard_mb * 2**20, per_expert=per_expert, overwrite=overwrite,
-                           progress=progress and process_group.rank() == 0)
+                           extra_files=extra_files, progress=progress and process_group.rank() == 0)
 
 
 FRESH_START_EXTRA = {"data": None, "skipped_iterations": 0, "rng": None}
@@ -86,8 +96,39 @@ def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool =
     hf_weights.check_initial_keys(hf, model, adapter)
     _materialize_sharded_(model, _mesh())
     optimizer = MasterWeightOptimizer(model, lr=cfg.training.lr)  # no 8-bit weights: masters from the params
-    hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and process_group.rank() == 0)
-    return checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA)
+    lock = _claim_output(out)  # before any tensor is read: a refused folder fails in seconds
+    try:
+        hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and process_group.rank() == 0)
+        return checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA, lineage=checkpoint.new_lineage())
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_output(out: str):
+    """Rank 0 locks ``out`` and refuses a folder holding a run's steps or ``latest``; every rank
+    raises the same ``ConfigError``. Returns rank 0's lock (None elsewhere)."""
+    lock, error = None, None
+    if process_group.rank() == 0:
+        try:
+            lock = acquire_folder_lock(out, key="--out")
+            steps = checkpoint.list_steps(out)
+            held = [f"step_{s}" for s in steps[-4:]] + (["latest"] if os.path.exists(os.path.join(out, "latest")) else [])
+            if held:
+                lock.release()
+                lock = None
+                raise ConfigError(f"--out: {out!r} already holds a run's checkpoints ({', '.join(held)}); a step_0 "
+                                  "there would become that run's 'latest' (resume: auto would restart from the HF "
+                                  "weights): write the conversion to a new or empty folder")
+        except ConfigError as exc:
+            error = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+    return lock
 
 
 def _materialize_sharded_(model: nn.Module, mesh) -> None:

@@ -18,9 +18,19 @@ checkpoint. (A run with its own ``latest`` resumes from it and never reads the H
 
 A ``TrainTask`` offers HF support through ``hf_adapter(cfg)`` returning an ``HFAdapter``; the
 model family's key mapping stays declarative on its side (te_npu never imports ``models/``).
+
+An export of a run that started from an HF directory (``checkpoint.initial_load_path``) carries
+that directory's ``config.json`` fields (token ids, ``max_position_embeddings``, ``use_cache`` ...,
+once ``check_config`` confirms it still describes the model; the architecture fields are the
+model's either way) and a copy of its tokenizer files and ``generation_config.json``
+(``SIDE_FILES``), so the export is a drop-in replacement of its source. It writes a
+``te_npu_export.json`` (the run's lineage and step): the only kind of existing directory an
+export replaces (``te_npu.training.preflight.check_export_dir`` refuses any other before training).
 """
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -50,10 +60,15 @@ __all__ = [
     "training_tensors",
     "load_initial_weights",
     "export_weights",
+    "export_config",
+    "SIDE_FILES",
 ]
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _INITIAL = "checkpoint.initial_load_path"
+SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+              "chat_template*", "generation_config.json")
+"""Files of a source HF directory that an export copies as they are (patterns)."""
 
 
 class HFAdapter(Protocol):
@@ -112,9 +127,37 @@ def load_initial_weights(checkpoint: HFCheckpoint, model: nn.Module, optimizer: 
 
 
 def export_weights(directory: str, model: nn.Module, optimizer: MasterWeightOptimizer, adapter: HFAdapter, *,
-                   dtype: str, max_shard_mb: int, progress: bool) -> HFWriteReport:
-    """Write the masters (cast to ``dtype``) and buffers as an HF directory (replaced if it exists)."""
+                   dtype: str, max_shard_mb: int, progress: bool, owner: Mapping[str, Any] | None = None,
+                   source: str | None = None) -> HFWriteReport:
+    """Write the masters (cast to ``dtype``) and buffers as an HF directory. owner: the run's
+    record (``lineage``, ``step``): an earlier export of the same lineage is replaced, anything
+    else refused; source: the HF directory the run started from (``export_config``)."""
     torch_dtype = EXPORT_DTYPES[dtype]
-    return save_hf_weights(directory, training_tensors(model, optimizer), adapter.key_map,
-                           adapter.config_json(torch_dtype), dtype=torch_dtype, max_shard_bytes=max_shard_mb * 2**20,
-                           overwrite=True, progress=progress)
+    config, extra_files = export_config(adapter, torch_dtype, source)
+    return save_hf_weights(directory, training_tensors(model, optimizer), adapter.key_map, config, dtype=torch_dtype,
+                           max_shard_bytes=max_shard_mb * 2**20, owner=owner, extra_files=extra_files,
+                           progress=progress)
+
+
+def export_config(adapter: HFAdapter, dtype: torch.dtype, source: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(config.json, {file: source path})`` of an export: the model's ``config_json`` under the
+    fields of ``source``'s ``config.json`` when it still describes the model, plus ``source``'s
+    ``SIDE_FILES``. Without a readable source: the model's own config and no files."""
+    config = dict(adapter.config_json(dtype))
+    if not source or not os.path.isdir(source):
+        return config, {}
+    try:
+        with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
+            theirs = json.load(f)
+        adapter.check_config(theirs)
+    except (OSError, ValueError):  # ConfigError is a ValueError: it describes another model now
+        theirs = None
+    if isinstance(theirs, dict):
+        config = {**config, **theirs}
+        name = str(dtype).removeprefix("torch.")
+        config["dtype"] = name
+        if "torch_dtype" in config:
+            config["torch_dtype"] = name
+    files = {n: os.path.join(source, n) for n in sorted(os.listdir(source))
+             if any(fnmatch.fnmatch(n, p) for p in SIDE_FILES) and os.path.isfile(os.path.join(source, n))}
+    return config, files

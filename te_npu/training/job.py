@@ -15,9 +15,17 @@
   once through ``signal.set_wakeup_fd``; a second signal ends it immediately.
 - under torchrun a rank exits when its launcher dies (``PR_SET_PDEATHSIG`` on Linux, and
   the watchdog polls the parent pid), so a killed launcher leaves no orphan training on.
+- a rank that stops making progress without failing (SIGSTOP, D state, a vanished host) is
+  found by its peers' stall watch (``te_npu.training.stall``, started by the trainer once the
+  process group exists): the first rank to see it prints one line naming the stalled rank and
+  every rank that sees it leaves with exit code 4. A collective that times out first (the
+  process group's timeout, ``training.collective_timeout_s``) is reported the same way when a
+  peer has gone silent.
+- a full disk (``te_npu.distributed.disk_space.DiskFullError``) is one line too, without a
+  traceback: the folder, the bytes needed, what is left.
 
 Exit codes: 0 done, 1 error, 2 configuration error (before anything was built), 3 stopped
-by a divergence rule, 128 + signal number when interrupted.
+by a divergence rule, 4 a stalled rank ended the job, 128 + signal number when interrupted.
 
 This module owns the job's environment reads (``launch_env``) and its only private torch
 touch (``_job_store``).
@@ -39,14 +47,17 @@ from typing import Callable
 import torch.distributed as dist
 
 from te_npu.compat import default_store
+from te_npu.distributed.disk_space import DiskFullError
 from te_npu.errors import ConfigError
 from te_npu.training.divergence import TrainingDiverged
+from te_npu.training.stall import EXIT_STALLED, StallWatch
 
 __all__ = [
     "EXIT_OK",
     "EXIT_ERROR",
     "EXIT_CONFIG",
     "EXIT_DIVERGED",
+    "EXIT_STALLED",
     "SIGNAL_GRACE_S",
     "JobInterrupted",
     "LaunchEnv",
@@ -114,22 +125,47 @@ class StopRequest:
     The trainer sets ``graceful`` when it will save on SIGTERM; the handler then sets
     ``signum`` instead of raising, and the trainer stops at the next step boundary (the
     flag is combined over ranks with the step's loss, so every rank stops at the same step).
+    ``watch``: the rank's stall watch; the trainer starts it once the process group exists and
+    marks its phases (``run_job`` gives it the job's first-failure report).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, watch: StallWatch | None = None) -> None:
         self.graceful = False
         self.signum: int | None = None
+        self.watch = watch or StallWatch()
 
 
 def root_cause(exc: BaseException) -> BaseException:
-    """``exc``, or the interruption / config error a DCP ``CheckpointException`` carries from a rank."""
-    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    """``exc``, or what is behind it: an interruption anywhere in its chain (a signal that lands
+    inside ``torch.save`` surfaces as the writer's "unexpected pos" error, raised while handling
+    it, possibly carried by DCP's ``CheckpointException`` from another rank), or the config error
+    / stop rule a ``CheckpointException`` carries from a rank."""
+    chain = _chain(exc, set())
+    for inner in chain:  # an interruption anywhere: whatever it broke on the way is its consequence
+        if isinstance(inner, (JobInterrupted, KeyboardInterrupt)):
+            return inner
+    failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         for failure in failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, (JobInterrupted, KeyboardInterrupt, ConfigError, TrainingDiverged)):
+            if isinstance(inner, (ConfigError, TrainingDiverged)):
                 return inner
     return exc
+
+
+def _chain(exc: BaseException | None, seen: set) -> list[BaseException]:
+    out = []
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        out.append(exc)
+        failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(inner, BaseException):
+                    out.extend(_chain(inner, seen))
+        exc = exc.__cause__ or exc.__context__
+    return out
 
 
 def exit_code_for(exc: BaseException) -> int:
@@ -155,6 +191,7 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
     env = launch_env()
     stop = StopRequest()
     guard = _SignalGuard(stop, env, stderr)
+    stop.watch.on_stall = guard.stalled
     guard.install()
     try:
         body(stop)
@@ -163,7 +200,13 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
         exc = root_cause(exc)
         code = exit_code_for(exc)
         guard.watchdog.arm(ERROR_PATH_DEADLINE_S, code, "the error path did not finish")
-        multi_rank = dist.is_initialized() and dist.get_world_size() > 1
+        # a rank of a multi-rank job leaves with os._exit even when its process group is already
+        # (half) destroyed -- an interruption inside close(): an interpreter that finalizes with a
+        # live gloo group aborts ("terminate called without an active exception")
+        multi_rank = (dist.is_initialized() and dist.get_world_size() > 1) or stop.watch.started
+        stall = stop.watch.diagnose() if multi_rank and code == EXIT_ERROR else None
+        if stall is not None:  # a collective timed out because a peer went silent: that is the report
+            exc, code = _Stalled(stall), EXIT_STALLED
         code = _report(exc, code, env, stderr, multi_rank)
         if multi_rank:
             _abort_process_group()
@@ -171,6 +214,7 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
             os._exit(code)
         return code
     finally:
+        stop.watch.stop()
         guard.uninstall()
     if stop.signum is not None:
         return 128 + stop.signum
@@ -200,6 +244,8 @@ def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: b
     elif isinstance(exc, (JobInterrupted, KeyboardInterrupt)):
         print(f"{where}{exc or 'interrupted by SIGINT'}; stopped without saving (the last complete "
               "checkpoint and 'latest' are untouched)", file=stderr, flush=True)
+    elif isinstance(exc, (DiskFullError, _Stalled)):
+        print(f"{where}{exc}" if isinstance(exc, DiskFullError) else str(exc), file=stderr, flush=True)
     elif isinstance(exc, SystemExit):
         pass  # argparse and friends have printed their message already
     else:
@@ -209,6 +255,10 @@ def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: b
             print(f"{where}stopping every rank (exit code {code})", file=stderr)
         _flush(stderr)
     return code
+
+
+class _Stalled(Exception):
+    """The stall watch's verdict, reported as the job's failure (its message is the whole line)."""
 
 
 def _claim_first_failure(rank: int, code: int) -> tuple[bool | None, int]:
@@ -264,6 +314,15 @@ class _SignalGuard:
         self._previous: dict[int, object] = {}
         self._wakeup_previous = -1
         self._installed = False
+
+    def stalled(self, line: str) -> None:
+        """The stall watch's verdict (called from its thread): report it once for the job, leave."""
+        rank = dist.get_rank() if dist.is_initialized() else self.env.rank
+        first, code = _claim_first_failure(rank, EXIT_STALLED)
+        if first is not False:
+            print(line, file=self.stderr, flush=True)
+        _flush(self.stderr)
+        os._exit(code)
 
     def parent_died(self) -> bool:
         return self.env.under_torchrun and os.getppid() != self.parent

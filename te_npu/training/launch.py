@@ -5,7 +5,7 @@
 Runs ``torch.distributed.run`` (same arguments, same agent) but, when a worker fails,
 prints one line instead of torchrun's traceback and failure table, and exits with the first
 failure's exit code (torchrun itself always exits 1): 2 still means a configuration error,
-3 a diverged run, 128 + N a signal. The failing rank has printed its own report already
+3 a diverged run, 4 a stalled rank (named by the rank that saw it), 128 + N a signal. The failing rank has printed its own report already
 (``te_npu.training.job``); for a configuration error that one line is all the job prints
 (torchrun's per-process "failed" / "closing signal" log lines are muted; the summary line
 replaces them). A signal to the launcher (Ctrl-C, SIGTERM) is forwarded to the

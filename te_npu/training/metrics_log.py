@@ -11,14 +11,20 @@ Only rank 0 writes: on other ranks ``MetricsLogger`` is silent and creates no fi
   device, ``mfu``: its share of the device's peak; null where unknown);
 - ``{"kind": "val", "step", "time", "lm_loss", "ppl"}``.
 
+- ``{"kind": "resume", "step", "time", "redone"}`` - a resumed run continues the file from ``step``.
+
 Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON;
-``float()`` reads them back). The file is appended to, so a resumed run continues it; readers
-keep the last record of each (kind, step).
+``float()`` reads them back). The file is appended to, so a resumed run continues it. A run that
+resumes at step ``K`` first moves the ``train`` / ``val`` records of steps after ``K`` -- the
+steps it is about to redo, written by the attempt that died or was rolled back -- into
+``<name>.redone.jsonl`` (``resume_at``): every step appears once in ``metrics.jsonl``, and
+nothing is lost. Readers still keep the last record of each (kind, step).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -183,6 +189,34 @@ class MetricsLogger:
         self._write({"kind": "val", "step": step, "time": time.time(), "lm_loss": float(lm_loss), "ppl": _ppl(lm_loss)})
         self._scalars(step, {"lm-loss/validation": float(lm_loss)})
         return line
+
+    def resume_at(self, step: int) -> int:
+        """The run continues from ``step``: move the train / val records of later steps to
+        ``<name>.redone.jsonl`` and record the resume; returns how many records moved."""
+        if self._jsonl is None:
+            return 0
+        self._jsonl.close()
+        kept, redone = [], []
+        for line in self.jsonl_path.read_text(encoding="utf-8").splitlines(keepends=True):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                kept.append(line)  # not ours to judge: left as it is
+                continue
+            later = isinstance(record, dict) and record.get("kind") in ("train", "val") and \
+                isinstance(record.get("step"), int) and record["step"] > step
+            (redone if later else kept).append(line)
+        if redone:
+            with open(self.jsonl_path.with_suffix(".redone.jsonl"), "a", encoding="utf-8") as f:
+                f.writelines(redone)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.jsonl_path)
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._write({"kind": "resume", "step": int(step), "time": time.time(), "redone": len(redone)})
+        return len(redone)
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -2,7 +2,10 @@
 
 Each raises ``ConfigError`` naming the config key. The Trainer runs them at the start of
 ``setup`` (the data checks live with the data, ``te_npu.training.data.check_token_ids``; the
-checkpoint's own checks with the checkpoint, ``te_npu.distributed.checkpoint``).
+checkpoint's own checks with the checkpoint, ``te_npu.distributed.checkpoint``): which step to
+resume (``resume_target``), that no planned save replaces another run's step
+(``check_step_collisions``), and that the Hugging Face export replaces nothing but an earlier
+export of this run and can be written (``check_export_dir``).
 """
 from __future__ import annotations
 
@@ -10,10 +13,18 @@ import os
 
 import torch
 
-from te_npu.distributed import checkpoint
+from te_npu.distributed import checkpoint, checkpoint_folder
+from te_npu.distributed.hf_checkpoint import export_owner
 from te_npu.errors import ConfigError
 
-__all__ = ["check_device", "check_writable", "resume_target", "planned_saves", "check_step_collisions"]
+__all__ = [
+    "check_device",
+    "check_writable",
+    "resume_target",
+    "planned_saves",
+    "check_step_collisions",
+    "check_export_dir",
+]
 
 
 def check_device(device_type: str, local_rank: int, local_world_size: int) -> None:
@@ -53,7 +64,9 @@ def resume_target(c) -> str | None:
 
     ``resume: auto`` starts from scratch only in a folder without step directories; with
     steps but no ``latest`` it refuses (naming the overrides); a ``latest`` naming a missing
-    step is an error naming both; ``load_step`` picks a step explicitly.
+    step is an error naming both; ``load_step`` picks a step explicitly. A step whose save died
+    after it was published (``latest`` names it, its files are complete in ``step_N.tmp``) is
+    answered by its final path: the Trainer completes the rename once it holds the folder's lock.
     """
     if c.resume is False:
         return None
@@ -62,6 +75,8 @@ def resume_target(c) -> str | None:
         raise ConfigError(f"{where}: {c.dir!r} is a file; only DCP checkpoint directories are supported")
     if c.load_step is not None:
         path = os.path.join(c.dir, f"step_{c.load_step}")
+        if checkpoint_folder.pending_step(c.dir) == os.path.basename(path):
+            return path
         if not os.path.isdir(path):
             raise ConfigError(f"checkpoint.load_step: {path} does not exist; the folder holds "
                               f"{_names(checkpoint.list_steps(c.dir))}")
@@ -79,7 +94,7 @@ def resume_target(c) -> str | None:
             "them with checkpoint.resume=false (its pruning never touches their steps)"
         )
     try:
-        return checkpoint.latest_checkpoint(c.dir)
+        return checkpoint_folder.resolve_latest(c.dir, pending=True)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
@@ -92,8 +107,10 @@ def planned_saves(start: int, train_steps: int, interval: int) -> list[int]:
     return sorted(steps)
 
 
-def check_step_collisions(directory: str, steps: list[int], lineage: str | None) -> None:
-    """No step this run will save may replace a step directory of another run (``lineage``)."""
+def check_step_collisions(directory: str, steps: list[int], lineage: str | None, *, resuming: bool = False) -> None:
+    """No step this run will save may replace a step directory of another run (``lineage``; None:
+    a new run, for which every existing step is another run's). ``resuming``: this run continues
+    a lineage (the hint differs: it cannot be told to resume)."""
     foreign = []
     for step in sorted(set(steps) & set(checkpoint.list_steps(directory))):
         path = os.path.join(directory, f"step_{step}")
@@ -103,12 +120,38 @@ def check_step_collisions(directory: str, steps: list[int], lineage: str | None)
             theirs = "unknown"
         if lineage is None or theirs != lineage:
             foreign.append(f"step_{step}")
-    if foreign:
-        raise ConfigError(
-            f"checkpoint.dir: {directory!r} already holds {', '.join(foreign[:4])} of another run, which this run "
-            "would overwrite when it saves those steps; use another checkpoint.dir, or resume that run "
-            "(checkpoint.resume=auto)"
-        )
+    if not foreign:
+        return
+    if resuming:
+        hint = ("move those steps out of the folder (they are another run's), or give this run another "
+                "checkpoint.dir and resume it there from a copy of its step")
+    else:
+        hint = "use another checkpoint.dir, or resume that run (checkpoint.resume=auto)"
+    raise ConfigError(
+        f"checkpoint.dir: {directory!r} already holds {', '.join(foreign[:4])} of another run, which this run "
+        f"would overwrite when it saves those steps; {hint}"
+    )
+
+
+def check_export_dir(path: str, lineage: str, key: str) -> None:
+    """The Hugging Face export to ``path`` replaces nothing but an earlier export of this run
+    (``lineage``), and its parent folder is writable (the export is written next to it first).
+
+    Allowed: ``path`` absent, an empty directory, or a directory holding ``te_npu_export.json``
+    of this lineage. Anything else -- an HF checkpoint (the run's own ``initial_load_path``), a
+    tokenizer, another run's export -- is refused naming what it holds.
+    """
+    if os.path.lexists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(f"{key}: {path!r} exists and is not a directory; the export is a directory")
+        names = sorted(os.listdir(path))
+        owner = export_owner(path)
+        if names and (owner is None or owner.get("lineage") != lineage):
+            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            whose = "another run's export" if owner is not None else "files that are not an export of this run"
+            raise ConfigError(f"{key}: {path!r} holds {whose} ({shown}); the export replaces the whole directory, "
+                              "so it must be new, empty, or an earlier export of this run: choose another directory")
+    check_writable(os.path.dirname(os.path.abspath(path)), key)
 
 
 def _step(path: str, where: str) -> str:

@@ -29,6 +29,7 @@ masters, refresh every 8-bit shard once).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 from dataclasses import dataclass
@@ -42,9 +43,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import te_npu
 from te_npu import events
-from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, layer_units, shard_model
+from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, checkpoint_folder, layer_units, shard_model
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
-from te_npu.compat import local_tensor
+from te_npu.compat import default_store, local_tensor
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
 from te_npu.ops import require_low_precision, use_quant_kernel
@@ -54,6 +55,7 @@ from te_npu.training.config import TrainConfig
 from te_npu.training.data import DATA_KINDS, build_splits, check_token_ids, make_batcher, validation_batches
 from te_npu.training.divergence import DivergenceGuard, TrainingDiverged
 from te_npu.training.job import StopRequest, launch_env
+from te_npu.training.stall import StallWatch
 from te_npu.training.metrics_log import MetricsLogger, peak_memory_mb
 from te_npu.training.recompute import apply_activation_checkpointing
 from te_npu.training.schedule import lr_at
@@ -148,6 +150,10 @@ class Trainer:
         self._resume_path: str | None = None
         self._stop_agreed = False
         self._allocation_context = allocation_context or contextlib.nullcontext
+        self._watch = stop.watch if stop is not None else StallWatch()  # phases are marked; it runs under run_job
+        self._unconfirmed: list[int] = []  # steps this run saved whose weights no later loss has vouched for yet
+        self._saved: list[int] = []  # every step this run saved, in order
+        self._resume_step: int | None = None  # the step this run resumed from
 
     # ---- build -------------------------------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
@@ -285,7 +291,8 @@ class Trainer:
 
     def _claim_folders(self) -> None:
         """Rank 0 (the only writer of logs and of the folder's top level) proves ``logging.dir``
-        writable and locks ``checkpoint.dir``; its ``ConfigError`` is raised on every rank."""
+        writable, locks ``checkpoint.dir`` and completes a save that died after it was published
+        (``checkpoint_folder.finish_interrupted_save``); its ``ConfigError`` is raised on every rank."""
         cfg, error = self.cfg, None
         if self.rank == 0:
             try:
@@ -295,8 +302,15 @@ class Trainer:
                 error = str(exc)
             else:
                 if self._lock.stale_holder is not None:
-                    self._print(f" note: took over the lock of {cfg.checkpoint.dir}, left by a job that did not "
-                                f"release it ({describe_holder(self._lock.stale_holder)})")
+                    self._print(f" note: took over the lock of {cfg.checkpoint.dir}, left by a job that ended "
+                                f"without releasing it ({describe_holder(self._lock.stale_holder)})")
+                note = checkpoint_folder.finish_interrupted_save(cfg.checkpoint.dir)
+                if note:
+                    self._print(f" note: {note}")
+        self._agree(error)
+
+    def _agree(self, error: str | None) -> None:
+        """Raise rank 0's ``ConfigError`` message (if any) on every rank; a sync point either way."""
         if self.world_size > 1:
             errors: list = [None] * self.world_size
             dist.all_gather_object(errors, error)
@@ -306,7 +320,8 @@ class Trainer:
 
     def _check_resume(self) -> None:
         """Verify the step to resume (collective) and that its data position maps onto this run;
-        refuse a save plan that would overwrite another run's steps."""
+        then, on rank 0, make it the head of the folder's history (``_settle_history``) and refuse
+        a save or export plan that would overwrite what is not this run's (``_check_outputs``)."""
         c, t = self.cfg.checkpoint, self.cfg.training
         start = 0
         if self._resume_path is not None:
@@ -322,18 +337,53 @@ class Trainer:
                     f"{self.world_size} rank(s) with this data config: {exc}"
                 ) from None
             start, self.lineage = int(info["step"]), info.get("lineage")
+            self._resume_step = start
         self.lineage = self.lineage or checkpoint.new_lineage()
+        error = None
+        if self.rank == 0:
+            try:
+                self._settle_history()
+                self._check_outputs(start)
+            except ConfigError as exc:
+                error = str(exc)
+        self._agree(error)
+
+    def _settle_history(self) -> None:
+        """Rank 0: resuming step K of this folder makes K its lineage's head: ``latest`` names it
+        and the lineage's newer steps (a rollback's, or a restart's that redoes steps) move to
+        ``abandoned/``, so no save of this run ever meets an old step directory."""
+        if self._resume_path is None:
+            return
+        moved = checkpoint_folder.roll_back(self.cfg.checkpoint.dir, self._resume_path)
+        if moved:
+            names = ", ".join(os.path.basename(m) for m in moved)
+            self._print(f" continuing from {os.path.basename(self._resume_path)}: this run's newer steps ({names}) "
+                        f"were moved to {os.path.dirname(moved[0])} (kept; delete them when no longer needed)")
+
+    def _check_outputs(self, start: int) -> None:
+        """Rank 0: no planned save may replace another run's step; the HF export (if any) may
+        replace only an earlier export of this run, and its folder must be writable."""
+        c, t = self.cfg.checkpoint, self.cfg.training
         planned = preflight.planned_saves(start, t.train_steps, c.interval)
-        preflight.check_step_collisions(c.dir, planned, self.lineage if self._resume_path else None)
+        preflight.check_step_collisions(c.dir, planned, self.lineage if self._resume_path else None,
+                                        resuming=self._resume_path is not None)
+        if c.last_save_format == "hf":
+            preflight.check_export_dir(self._export_dir(t.train_steps), self.lineage,
+                                       "checkpoint.export_dir" if c.export_dir else "checkpoint.last_save_format: hf")
 
     def _init_distributed(self) -> None:
         t, env = self.cfg.training, launch_env()
         device_type = t.device  # torch_npu was imported by the preflight device check
         if not dist.is_initialized() and env.world_size > 1:
-            dist.init_process_group(backend=t.resolved_backend)
+            dist.init_process_group(backend=t.resolved_backend,
+                                    timeout=datetime.timedelta(seconds=t.collective_timeout_s))
             self._owns_process_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # a stalled peer ends the job in one line (te_npu.training.stall); a fake process group
+        # (the capacity estimate: one process playing one rank) has no peers to watch
+        if self.world_size > 1 and dist.get_backend() != "fake":
+            self._watch.start(t.collective_timeout_s, store=default_store(), rank=self.rank, world=self.world_size)
         local_rank = env.local_rank
         if device_type == "cpu":
             self.device = torch.device("cpu")
@@ -407,10 +457,13 @@ class Trainer:
         lr = self.set_lr(step)
         self._synchronize()
         start = time.perf_counter()
-        losses = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
-        result = self.optimizer_step()
-        loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
-        self._synchronize()
+        with self._watch.phase("forward/backward", step + 1):  # each piece bounded by collective_timeout_s
+            losses = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
+        with self._watch.phase("optimizer step", step + 1):
+            result = self.optimizer_step()
+        with self._watch.phase("loss all-reduce", step + 1):
+            loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
+            self._synchronize()
         elapsed = time.perf_counter() - start
         self.global_step += 1
         tokens = sum(b[0].numel() for b in micro_batches) * self.world_size
@@ -425,10 +478,11 @@ class Trainer:
             self.val_data, t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
             world_size=self.world_size, vocab_size=self.vocab_size,
         )
-        with self._kernels(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+        with self._watch.phase("evaluation", self.global_step), self._kernels(), \
+                te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             for input_ids, labels in batches:
                 losses.append(self.task.loss(self.model, input_ids.to(self.device), labels.to(self.device)))
-        return self._mean_over_ranks(torch.stack(losses).float().mean())
+            return self._mean_over_ranks(torch.stack(losses).float().mean())
 
     # ---- loop --------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
@@ -436,14 +490,22 @@ class Trainer:
 
         A divergence rule (``te_npu.training.divergence``) raises ``TrainingDiverged`` before
         anything is saved; a graceful SIGTERM (``checkpoint.save_on_sigterm``) saves and returns.
-        An interval save that falls on a skipped step waits for the next successful one (the
-        weights have not changed meanwhile), so a run that dies in a streak of skipped steps
-        never writes, or prunes for, checkpoints of the dead model.
+        An interval save that falls while a streak rule is counting (skipped steps, a collapsed
+        model) waits for the next healthy step, and a save's older steps are pruned only once a
+        healthy loss has vouched for the saved weights (the loss of step ``s + 1`` is the first
+        computed with the weights of step ``s``): a run that dies never writes, or prunes for,
+        checkpoints of the dead model, and a step saved after the divergence began is moved to
+        ``<checkpoint.dir>/diverged/`` with ``latest`` pointed back at the last good step.
+        A resumed run first moves the metrics of the steps it redoes out of ``metrics.jsonl``.
         """
         t, c = self.cfg.training, self.cfg.checkpoint
         guard = DivergenceGuard(max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
-                                stop_on_nonfinite_loss=t.stop_on_nonfinite_loss, loss_spike_factor=t.loss_spike_factor)
+                                stop_on_nonfinite_loss=t.stop_on_nonfinite_loss, loss_spike_factor=t.loss_spike_factor,
+                                max_loss_factor=t.max_loss_factor, collapse_steps=t.collapse_steps,
+                                vocab_size=self.vocab_size)
         records, save_due = [], False
+        if self._resume_step is not None:  # resumed: the steps after it are redone, each logged once
+            self.logger.resume_at(self.global_step)
         if self.global_step >= t.train_steps:
             self._print_rank0(f" training already complete at iteration {self.global_step}; nothing to do")
         global_batch = t.micro_batch_size * t.gradient_accumulation_steps * self.world_size
@@ -460,37 +522,72 @@ class Trainer:
                     **self._throughput(record),
                 )
             try:
-                guard.check(step, record.lm_loss, record.updated)
+                guard.check(step, record.lm_loss, record.updated, record.grad_norm)
             except TrainingDiverged as exc:
-                raise TrainingDiverged(f"{exc}; nothing saved, no checkpoint pruned ({self._latest_note()})") from None
+                raise self._diverged(exc) from None
+            if not guard.suspect:
+                self._confirm_saves()  # this healthy loss vouches for every weight saved before it
             if self._stop_agreed:  # SIGTERM on some rank, combined over ranks with this step's loss
-                self.save_dcp()
+                self.save_dcp(prune=False)
                 self._print_rank0(f" stopped on SIGTERM after iteration {step} (checkpoint saved)")
                 return records
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.train_steps):
                 self.logger.log_validation(step, lm_loss=self.evaluate())
             save_due = save_due or bool(c.interval and step % c.interval == 0)
             if save_due and step != t.train_steps:
-                if guard.skipped_in_a_row:
+                if guard.suspect:
                     if c.interval and step % c.interval == 0:
-                        self._print_rank0(f" not saving at iteration {step}: it was skipped; the save follows the "
-                                          "next successful step")
+                        why = "it was skipped" if guard.skipped_in_a_row else "the model looks collapsed"
+                        self._print_rank0(f" not saving at iteration {step}: {why}; the save follows the next "
+                                          "healthy step")
                 else:
-                    self.save_dcp()
+                    self.save_dcp(prune=False)
                     save_due = False
         if records:
             self.save_dcp()
+            self._unconfirmed.clear()
             if c.last_save_format == "hf":
                 self.save_hf()
         if self.cfg.logging.plot and self.rank == 0:
             self._plot()
         return records
 
+    def _confirm_saves(self) -> None:
+        """The saved steps so far are good: prune their history down to ``keep_last``."""
+        if self._unconfirmed:
+            newest = self._unconfirmed[-1]
+            self._unconfirmed.clear()
+            checkpoint.prune(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep_last, self.lineage, newest)
+
+    def _diverged(self, exc: TrainingDiverged) -> TrainingDiverged:
+        """The run stops: steps this run saved at or after ``began_at - 1`` (their weights gave
+        the first bad loss or came after it) move to ``diverged/``, ``latest`` goes back to the
+        newest good step; returns the error to raise, saying what happened (same on every rank)."""
+        c, began = self.cfg.checkpoint, exc.began_at
+        bad = [k for k in self._unconfirmed if began is not None and k >= began - 1]
+        notes = ["nothing saved, no checkpoint pruned"]
+        if bad:
+            good = [k for k in self._saved if k not in bad]
+            head = good[-1] if good else self._resume_step
+            if self.rank == 0:
+                checkpoint_folder.set_latest(c.dir, None if head is None else f"step_{head}")
+                checkpoint_folder.set_aside(c.dir, [f"step_{k}" for k in bad], checkpoint_folder.DIVERGED)
+            self._barrier()  # every rank raises this same error at this step; rank 0 has moved the steps
+            notes.append(f"{', '.join(f'step_{k}' for k in bad)} (saved after the divergence began at iteration "
+                         f"{began}) moved to {os.path.join(c.dir, checkpoint_folder.DIVERGED)}")
+        if began is not None and self._resume_step is not None and self._resume_step >= began - 1:
+            notes.append(f"the step this run resumed from (step_{self._resume_step}) already leads to it: resume "
+                         "from an earlier step (checkpoint.load_step=N)")
+        notes.append(self._latest_note())
+        return TrainingDiverged(f"{exc}; {'; '.join(notes)}", began)
+
     # ---- checkpoints -------------------------------------------------------------------------
-    def save_dcp(self, directory: str | None = None) -> str:
+    def save_dcp(self, directory: str | None = None, *, prune: bool = True) -> str:
         """Atomic DCP save of BF16 weights, FP32 masters/moments, step, data position and RNG.
 
         Refuses (``TrainingDiverged``) to save non-finite masters over the good checkpoints.
+        ``prune``: apply ``checkpoint.keep_last`` now; ``train`` passes False and prunes once a
+        later healthy loss vouches for the saved weights.
         """
         self._require_finite_masters()
         extra = {
@@ -498,10 +595,15 @@ class Trainer:
             "skipped_iterations": self.skipped_iterations,
             "rng": torch.get_rng_state(),
         }
-        path = checkpoint.save(directory or self.cfg.checkpoint.dir, self.model, self.optimizer, self.global_step,
-                               extra, keep_last=self.cfg.checkpoint.keep_last or None, lineage=self.lineage,
-                               parent=self._parent_step)
+        keep_last = (self.cfg.checkpoint.keep_last or None) if prune else None
+        with self._watch.phase("checkpoint save", self.global_step, bounded=False):
+            path = checkpoint.save(directory or self.cfg.checkpoint.dir, self.model, self.optimizer, self.global_step,
+                                   extra, keep_last=keep_last, lineage=self.lineage, parent=self._parent_step)
         self._parent_step = self.global_step
+        if directory is None or os.path.abspath(directory) == os.path.abspath(self.cfg.checkpoint.dir):
+            self._saved.append(self.global_step)
+            if not prune:
+                self._unconfirmed.append(self.global_step)
         self._print_rank0(f" saved checkpoint at iteration {self.global_step} to {path}")
         return path
 
@@ -526,15 +628,24 @@ class Trainer:
 
     def save_hf(self, directory: str | None = None) -> str:
         """Export the FP32 masters (cast to ``checkpoint.export_dtype``) and buffers as a Hugging
-        Face directory (default ``checkpoint.export_dir`` or ``<checkpoint.dir>/hf/step_<N>``)."""
+        Face directory (default ``checkpoint.export_dir`` or ``<checkpoint.dir>/hf/step_<N>``),
+        carrying ``checkpoint.initial_load_path``'s config fields and tokenizer files; it replaces
+        only an earlier export of this run (``hf_weights.export_weights``)."""
         c = self.cfg.checkpoint
-        directory = directory or c.export_dir or os.path.join(c.dir, "hf", f"step_{self.global_step}")
+        directory = directory or self._export_dir(self.global_step)
         adapter = hf_weights.hf_adapter_of(self.task, self.cfg, where="checkpoint.last_save_format: hf")
-        report = hf_weights.export_weights(directory, self.model, self.optimizer, adapter, dtype=c.export_dtype,
-                                           max_shard_mb=c.export_max_shard_mb, progress=self.rank == 0)
+        with self._watch.phase("HF export", self.global_step, bounded=False):
+            report = hf_weights.export_weights(directory, self.model, self.optimizer, adapter, dtype=c.export_dtype,
+                                               max_shard_mb=c.export_max_shard_mb, progress=self.rank == 0,
+                                               owner={"lineage": self.lineage, "step": self.global_step},
+                                               source=c.initial_load_path)
         self._print_rank0(f" exported Hugging Face weights at iteration {self.global_step} to {report.directory} "
                           f"({len(report.files)} file(s), {report.total_bytes / 2**20:.1f} MiB, {c.export_dtype})")
         return report.directory
+
+    def _export_dir(self, step: int) -> str:
+        c = self.cfg.checkpoint
+        return c.export_dir or os.path.join(c.dir, "hf", f"step_{step}")
 
     def _open_initial_hf(self, cfg: TrainConfig):
         self._hf_adapter = hf_weights.hf_adapter_of(self.task, cfg, where="checkpoint.initial_load_path")
@@ -550,15 +661,22 @@ class Trainer:
 
     def close(self) -> None:
         """Success path: close logs, release the checkpoint folder, end the subscriptions, and tear
-        down the process group if this trainer created it (after a barrier: every rank got here)."""
-        self.abandon()
+        down the process group if this trainer created it (after a barrier: every rank got here;
+        the stall watch runs until then)."""
+        self._release()
         if self._owns_process_group and dist.is_initialized():
             dist.barrier()
+            self._watch.stop()
             dist.destroy_process_group()
+        self._watch.stop()
 
     def abandon(self) -> None:
-        """Error path: close logs, release the checkpoint folder's lock and end the subscriptions,
-        no collective."""
+        """Error path: close logs, release the checkpoint folder's lock, end the subscriptions and
+        the stall watch, no collective."""
+        self._release()
+        self._watch.stop()
+
+    def _release(self) -> None:
         for subscription in self._subscriptions:
             subscription.close()
         self._subscriptions = []

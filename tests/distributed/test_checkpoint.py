@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 
 import pytest
@@ -11,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing import ProcessExitedException
 
 from te_npu import ConfigError
-from te_npu.distributed import MasterWeightOptimizer, checkpoint, shard_model
+from te_npu.distributed import MasterWeightOptimizer, checkpoint, checkpoint_folder, shard_model
 from tests.distributed.harness import batch, build, loss_of, run_ranks
 
 SAVE_AT, MORE = 2, 5
@@ -81,7 +82,7 @@ def test_checkpoint_resume_in_fresh_processes_is_bitwise(fmt, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(resumed[rank]["losses"], continuous[rank]["losses"]))
     # the checkpoint holds BF16 model weights + FP32 optimizer state under parameter FQNs, no 8-bit payload
     path = checkpoint.latest_checkpoint(work + "/ckpt")
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = checkpoint.read_metadata(path).state_dict_metadata
     dtypes = {key: meta.properties.dtype for key, meta in metadata.items()}
     assert set(dtypes.values()) <= {torch.bfloat16, torch.float32}, dtypes
     assert "model.up.weight" in dtypes and dtypes["model.up.weight"] == torch.bfloat16
@@ -166,17 +167,17 @@ class _Interrupted(BaseException):
     """Stands for the signal handler's exception (a BaseException, as ``JobInterrupted``)."""
 
 
-@pytest.mark.parametrize("where", ["dcp.save", "hash_files", "write_manifest", "os.rename", "write_latest", "prune"])
-def test_checkpoint_interrupted_save_keeps_previous_latest(tmp_path, monkeypatch, where):
+@pytest.mark.parametrize("where", ["dcp.save", "hash_files", "write_manifest", "set_latest", "rename", "prune"])
+def test_checkpoint_interrupted_save_keeps_previous_latest_or_finishes_the_published_one(tmp_path, monkeypatch, where):
     _save(tmp_path, 2, lineage="run", keep_last=1)
     targets = {"dcp.save": (checkpoint.dcp, "save"), "hash_files": (checkpoint, "hash_files"),
-               "write_manifest": (checkpoint, "write_manifest"), "os.rename": (checkpoint.os, "rename"),
-               "write_latest": (checkpoint, "_write_latest"), "prune": (checkpoint, "_prune")}
+               "write_manifest": (checkpoint, "write_manifest"), "set_latest": (checkpoint_folder, "set_latest"),
+               "rename": (checkpoint_folder.os, "rename"), "prune": (checkpoint_folder, "prune")}
     owner, name = targets[where]
     original = getattr(owner, name)
 
     def interrupted(*args, **kwargs):
-        if where == "os.rename" and not str(args[0]).endswith("step_4.tmp"):
+        if where == "rename" and not str(args[0]).endswith("step_4.tmp"):
             return original(*args, **kwargs)  # DCP's own .metadata rename
         raise _Interrupted(where)
 
@@ -184,13 +185,139 @@ def test_checkpoint_interrupted_save_keeps_previous_latest(tmp_path, monkeypatch
     with pytest.raises(_Interrupted):
         _save(tmp_path, 4, lineage="run", parent=2, keep_last=1)
     monkeypatch.undo()
+    if where == "rename":  # published (latest names step_4), directory not yet renamed: nothing is lost
+        with pytest.raises(ConfigError, match=r"names 'step_4', whose save was interrupted after it was published"):
+            checkpoint.latest_checkpoint(tmp_path)
+        assert checkpoint_folder.resolve_latest(tmp_path, pending=True) == os.path.join(tmp_path, "step_4")
+        assert "finished the interrupted save of step_4" in checkpoint_folder.finish_interrupted_save(str(tmp_path))
+        assert checkpoint_folder.finish_interrupted_save(str(tmp_path)) is None
     latest = checkpoint.latest_checkpoint(tmp_path)
-    # the old latest survives every point except after the new latest was written (then the new one is complete)
-    assert latest.endswith("step_4" if where == "prune" else "step_2")
+    # before publication the old latest survives; from the publication on, the new step is the one
+    assert latest.endswith("step_4" if where in ("rename", "prune") else "step_2")
     checkpoint.verify_step(latest)
     model, opt = _setup("mxfp8", 1, seed=5)
     step, extra = checkpoint.load(tmp_path, model, opt)
     assert extra == {"step": step}
+    _save(tmp_path, 4, lineage="run", parent=2, keep_last=1)  # the redo (or the next save) never collides
+    assert checkpoint.latest_checkpoint(tmp_path).endswith("step_4")
+
+
+def test_checkpoint_saving_an_existing_step_of_this_run_sets_the_old_one_aside(tmp_path):
+    _save(tmp_path, 2, lineage="run")
+    (tmp_path / "step_2" / "marker").write_text("the first save")  # to recognise it after the move
+    _save(tmp_path, 2, lineage="run")  # a redone step: no Errno 39, no crash loop
+    assert checkpoint.latest_checkpoint(tmp_path).endswith("step_2")
+    assert not (tmp_path / "step_2" / "marker").exists()
+    assert (tmp_path / "abandoned" / "step_2" / "marker").read_text() == "the first save"
+
+
+def test_checkpoint_roll_back_points_latest_and_moves_only_this_runs_newer_steps(tmp_path):
+    for step, parent in ((4, None), (8, 4), (12, 8)):
+        _save(tmp_path, step, lineage="run", parent=parent)
+    _save(tmp_path, 10, lineage="other")  # another run's step in the same folder is never touched
+    checkpoint_folder.set_latest(str(tmp_path), "step_12")
+    moved = checkpoint_folder.roll_back(str(tmp_path), str(tmp_path / "step_4"))
+    assert sorted(os.path.basename(m) for m in moved) == ["step_12", "step_8"]
+    assert checkpoint.latest_checkpoint(tmp_path).endswith("step_4")
+    assert _steps(tmp_path) == ["step_10", "step_4"] and _steps(tmp_path / "abandoned") == ["step_12", "step_8"]
+    assert checkpoint_folder.roll_back(str(tmp_path), str(tmp_path / "step_4")) == []  # nothing newer: no-op
+    _save(tmp_path, 8, lineage="run", parent=4)
+    assert checkpoint.step_info(tmp_path / "step_8")["parent"] == 4
+
+
+@pytest.mark.parametrize("content", ["../../other/checkpoints/step_16", "/abs/step_3", "step_4/../step_4", ""])
+def test_checkpoint_latest_must_name_a_step_of_its_folder(tmp_path, content):
+    other = tmp_path / "other" / "checkpoints"
+    _save(other, 16, lineage="theirs")
+    mine = tmp_path / "runs" / "x"
+    _save(mine, 4, lineage="run")
+    (mine / "latest").write_text(content)
+    with pytest.raises(ConfigError, match=r"which is not a step of this folder"):
+        checkpoint.latest_checkpoint(mine)
+
+
+def _crafted_metadata(step_dir, payload) -> None:
+    """What whoever can write the folder can do: replace .metadata, then re-hash it in the manifest."""
+    import json
+
+    from te_npu.distributed.checkpoint_manifest import file_entry
+
+    with open(os.path.join(step_dir, ".metadata"), "wb") as f:
+        pickle.dump(payload, f)
+    manifest = os.path.join(step_dir, "manifest.json")
+    record = json.loads(open(manifest).read())
+    record["files"][".metadata"] = file_entry(os.path.join(step_dir, ".metadata"))
+    open(manifest, "w").write(json.dumps(record))
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_crafted_metadata_is_refused_and_runs_nothing(tmp_path):
+    step = _save(tmp_path / "ckpt", 2, lineage="run")
+    marker = tmp_path / "code_ran"
+    _crafted_metadata(step, _RunsCode(marker))
+    model, opt = _setup("mxfp8", 1)
+    for attempt in (lambda: checkpoint.verify_step(step), lambda: checkpoint.load(tmp_path / "ckpt", model, opt)):
+        with pytest.raises(ConfigError) as info:
+            attempt()
+        message = str(info.value)
+        assert ".metadata: refused: it names the global posix.system" in message and "\n" not in message, message
+    assert not marker.exists()
+
+
+def test_checkpoint_metadata_with_a_bytes_entry_is_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    step = _save(tmp_path, 2, lineage="run")
+    metadata = checkpoint.read_metadata(step)
+    key = next(iter(metadata.state_dict_metadata))
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()  # DCP would torch.load(weights_only=False) its bytes
+    _crafted_metadata(step, metadata)
+    with pytest.raises(ConfigError, match=rf"entry '{key}' is a BytesStorageMetadata, not a tensor"):
+        checkpoint.verify_step(step)
+
+
+def test_checkpoint_metadata_pointing_outside_the_step_is_refused(tmp_path):
+    step = _save(tmp_path, 2, lineage="run")
+    metadata = checkpoint.read_metadata(step)
+    info = next(iter(metadata.storage_data.values()))
+    info.relative_path = "../../etc/passwd"
+    _crafted_metadata(step, metadata)
+    with pytest.raises(ConfigError, match=r"points at '../../etc/passwd', not a __R_I.distcp file"):
+        checkpoint.verify_step(step)
+
+
+def test_checkpoint_save_without_room_fails_before_writing(tmp_path, monkeypatch):
+    _save(tmp_path, 2, lineage="run")
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1 << 20)
+    with pytest.raises(checkpoint.DiskFullError) as info:
+        _save(tmp_path, 4, lineage="run", parent=2)
+    message = str(info.value)
+    assert f"step 4 to {tmp_path}: {tmp_path} has 1.0 MiB free, the step needs about" in message, message
+    assert "nothing was written" in message and "\n" not in message
+    assert _steps(tmp_path) == ["step_2"] and checkpoint.latest_checkpoint(tmp_path).endswith("step_2")
+
+
+def test_checkpoint_disk_full_while_writing_is_named(tmp_path, monkeypatch):
+    """torch's zip writer says "unexpected pos" on ENOSPC: the folder's free space tells the cause."""
+    _save(tmp_path, 2, lineage="run")
+
+    from te_npu.distributed import disk_space
+
+    def full(*args, **kwargs):
+        monkeypatch.setattr(disk_space, "free_bytes", lambda path: 4096)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    with pytest.raises(checkpoint.DiskFullError, match=r"no space left on the device of .* \(4.0 KiB free now\); the write needs about"):
+        _save(tmp_path, 4, lineage="run", parent=2)
+    assert checkpoint.latest_checkpoint(tmp_path).endswith("step_2")
 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_extra", "delete_manifest", "delete_metadata"])

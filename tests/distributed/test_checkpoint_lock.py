@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from te_npu import ConfigError
-from te_npu.distributed.checkpoint_lock import LOCK_NAME, acquire_folder_lock
+from te_npu.distributed.checkpoint_lock import LOCK_NAME, acquire_folder_lock, describe_holder
 
 
 def _hold_in_child(directory):
@@ -35,7 +35,9 @@ def test_checkpoint_lock_second_job_fails_naming_the_holder(tmp_path):
             acquire_folder_lock(str(tmp_path))
         message = str(info.value)
         assert message.startswith("checkpoint.dir: ") and "in use by another job" in message
-        assert f"pid {pid}" in message and f"host {socket.gethostname()}" in message and f"kill {pid}" in message
+        assert f"pid {pid}" in message and f"host {socket.gethostname()}" in message and "it is running" in message
+        assert "kill" not in message  # a healthy job's pid is not an invitation to kill it
+        assert "wait for that job to end or stop it, or give this run another checkpoint.dir" in message
     finally:
         os.write(release, b"1")
         os.waitpid(pid, 0)
@@ -50,6 +52,8 @@ def test_checkpoint_lock_of_a_killed_holder_is_taken_over(tmp_path):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "node7", "pid": 4242, "started": "then"}))
     lock = acquire_folder_lock(str(tmp_path))
     assert lock.stale_holder == {"host": "node7", "pid": 4242, "started": "then"}
+    note = describe_holder(lock.stale_holder)  # what the takeover note prints: nobody holds it now
+    assert note == "host node7, pid 4242, started then" and "holds" not in note
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
     lock.release()  # idempotent
@@ -59,3 +63,23 @@ def test_checkpoint_lock_unwritable_folder_is_a_config_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match=r"checkpoint\.dir: cannot create the lock file"):
         acquire_folder_lock(str(tmp_path / "file" / "ckpt"))
+
+
+def test_checkpoint_lock_names_the_kernels_holder_when_the_record_is_wrong(tmp_path):
+    """A lock file whose record names a pid that is gone while the lock is held (a record written in
+    another PID namespace, or edited): the message names the pid the kernel says holds it."""
+    pid, release = _hold_in_child(str(tmp_path))
+    try:
+        path = tmp_path / LOCK_NAME
+        record = json.dumps({"host": socket.gethostname(), "pid": 999999999, "started": "then"})
+        fd = os.open(path, os.O_WRONLY)  # this process holds no lock on it: closing drops nothing
+        os.pwrite(fd, record.encode().ljust(200), 0)
+        os.close(fd)
+        with pytest.raises(ConfigError) as info:
+            acquire_folder_lock(str(tmp_path))
+        if not os.path.exists("/proc/locks"):
+            pytest.skip("no /proc/locks here: the kernel's holder cannot be read")
+        assert f"the kernel says pid {pid} on this host holds the lock" in str(info.value), str(info.value)
+    finally:
+        os.write(release, b"1")
+        os.waitpid(pid, 0)

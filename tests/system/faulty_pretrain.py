@@ -12,17 +12,20 @@
   (so a test knows training is under way, and which process is which rank, before it signals);
 - ``save_marker:PATH``: each rank creates PATH when a save has written its shards (with
   ``slow_save``: the save is then in its window).
+- ``die_after_publish:N``: rank 0 kills itself (SIGKILL) in the save of step N right after
+  ``latest`` names it, before the directory is renamed (the publication window).
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
 import torch.distributed as dist
 
 from models.deepseek_v3 import pretrain
-from te_npu.distributed import checkpoint
+from te_npu.distributed import checkpoint, checkpoint_folder
 from te_npu.training.trainer import Trainer
 
 
@@ -59,6 +62,15 @@ def _install(fault: str) -> None:
         checkpoint.hash_files = slow_hash
     elif kind == "save_marker":
         _marker.append(arg)
+    elif kind == "die_after_publish":
+        original_set_latest = checkpoint_folder.set_latest
+
+        def set_latest_then_die(directory, name):
+            original_set_latest(directory, name)
+            if name == f"step_{int(arg)}" and _rank() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint_folder.set_latest = set_latest_then_die
     elif kind == "step_marker":
         original_train_step = Trainer.train_step
 

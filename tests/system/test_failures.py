@@ -1,4 +1,4 @@
-"""Issue 15 through the real launcher: failures are loud, fast and lose nothing.
+"""Issues 15 and 21 through the real launcher: failures are loud, fast and lose nothing.
 
 Each test starts ``python -m te_npu.training.launch`` (torchrun) on 2 CPU ranks with the tiny
 recipe shrunk to 2 layers and seq 64, optionally with one injected fault
@@ -7,6 +7,7 @@ are left and what the checkpoint folder holds. A ``wait`` that times out means a
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ class Job:
     """One launched job; ``markers`` holds ``rank step pid`` lines written after each step."""
 
     def __init__(self, workdir: Path, *overrides: str, fault: str = "", nproc: int = 2, ckpt: Path | None = None,
-                 module: str = "tests.system.faulty_pretrain"):
+                 module: str = "tests.system.faulty_pretrain", prefix: tuple[str, ...] = ()):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.ckpt = ckpt or workdir / "ckpt"
@@ -47,7 +48,7 @@ class Job:
                f"logging.dir={workdir / 'logs'}", f"checkpoint.dir={self.ckpt}", *overrides]
         self.started = time.monotonic()
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([*prefix, *cmd], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def wait(self, timeout: float = HANG) -> int:
@@ -212,12 +213,33 @@ def test_diverged_run_stops_nonzero_and_keeps_the_good_checkpoints(tmp_path):
     out = bad.output()
     assert out.count("training stopped (diverged)") == 1 and "nothing saved, no checkpoint pruned" in out
     assert (good.ckpt / "step_4").is_dir()  # the last good checkpoint survives (keep_last=2)
+    assert _latest_verified(good.ckpt) == "step_4"
+
+
+def test_diverged_fresh_run_keeps_no_checkpoint_saved_after_the_divergence_began(tmp_path):
+    """The issue's run: lr 1e4, the loss jumps, then sits at ln(256) with grad norm 0; its step_4 used to
+    be kept as the only checkpoint. Saves every step, so one lands after the divergence began."""
+    job = Job(tmp_path, "training.train_steps=30", "checkpoint.interval=1", "checkpoint.keep_last=2",
+              "training.lr=1e4", "training.warmup_steps=0")
+    assert job.wait() == 3
+    out = job.output()
+    assert out.count("training stopped (diverged)") == 1, out
+    line = next(x for x in out.splitlines() if "training stopped (diverged)" in x)
+    assert "training.max_loss_factor" in line or "training.collapse_steps" in line, line
+    began = int(line.split("divergence began at iteration ")[1].split(")")[0])
+    assert f"moved to {job.ckpt / 'diverged'}" in line, line
+    assert all(step < began - 1 for step in checkpoint.list_steps(job.ckpt)), os.listdir(job.ckpt)
+    assert os.listdir(job.ckpt / "diverged")  # set aside, not deleted
+    if checkpoint.list_steps(job.ckpt):
+        assert int(_latest_verified(job.ckpt).removeprefix("step_")) < began - 1
+    else:
+        assert not (job.ckpt / "latest").exists()  # nothing good: a restart starts over, not from a dead model
 
 
 # ---- 5. configuration and data errors: one line, exit 2 -----------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["yaml_syntax", "empty_file", "bad_token_ids"])
+@pytest.mark.parametrize("case", ["yaml_syntax", "empty_file", "bad_token_ids", "edited_tokens"])
 def test_config_errors_through_the_launcher_script_are_one_line(tmp_path, case):
     import numpy as np
 
@@ -230,13 +252,17 @@ def test_config_errors_through_the_launcher_script_are_one_line(tmp_path, case):
     elif case == "empty_file":
         recipe = tmp_path / "empty.yaml"
         recipe.write_text("")
-    else:
+    else:  # a token file edited after its header was written
         ids = np.random.default_rng(0).integers(1, 256, size=200_000)
         write_token_file(tmp_path / "bad", [("d", b"", ids)], vocab_size=256, tokenizer={}, eos_token_id=None,
                          split="train")
         tokens = np.memmap(tmp_path / "bad.bin", dtype=np.uint16, mode="r+")
-        tokens[5000:5010] = 40000
+        tokens[5000:5010] = 40000 if case == "bad_token_ids" else 7
         tokens.flush()
+        if case == "bad_token_ids":  # a header without a digest (older files): the id scan finds it
+            meta = json.loads((tmp_path / "bad.json").read_text())
+            del meta["sha256"]
+            (tmp_path / "bad.json").write_text(json.dumps(meta))
         extra = ["data.kind=bin", f"data.path={tmp_path / 'bad'}", "data.shuffle=false"]
     env = dict(os.environ, RECIPE=str(recipe), MASTER_PORT=str(_free_port()))
     done = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", *SMALL, "training.quant_kernel=eager",
@@ -249,6 +275,8 @@ def test_config_errors_through_the_launcher_script_are_one_line(tmp_path, case):
     assert "Traceback" not in done.stderr and len(lines) == 1, lines
     if case == "bad_token_ids":
         assert "token id 40000 at token offset 5000" in errors[0]
+    if case == "edited_tokens":
+        assert "bad.bin: its SHA-256 is" in errors[0] and errors[0].startswith("ConfigError: data.path: "), errors[0]
 
 
 # ---- 6. a 2-rank checkpoint resumes on 1 rank ------------------------------------------------------------
@@ -284,3 +312,150 @@ def test_watchdog_ends_a_rank_blocked_in_a_collective(tmp_path):
     # 143 from the watchdog (the store's own 60 s timeout would raise instead: exit code 1)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert "still running 1 s after SIGTERM" in done.stderr
+
+
+# ---- 8. issue 21: rollback, the publication window, stalls, crafted metadata, a full disk -------------
+
+
+def _train_records(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "train"]
+
+
+def test_rollback_with_load_step_redoes_the_steps_bitwise_and_keeps_the_newer_ones(tmp_path):
+    """The issue's repro: 12 steps saving every 4, then checkpoint.load_step=4 with train_steps=12
+    used to exit 1 at the save of step 8 (Errno 39) on every restart."""
+    first = Job(tmp_path / "a", "training.train_steps=12", "checkpoint.interval=4", "checkpoint.keep_last=0")
+    assert first.wait() == 0, first.output()
+    again = Job(tmp_path / "b", "training.train_steps=12", "checkpoint.interval=4", "checkpoint.keep_last=0",
+                "checkpoint.resume=auto",
+                "checkpoint.load_step=4", f"logging.dir={first.workdir / 'logs'}", ckpt=first.ckpt)
+    assert again.wait() == 0, again.output()
+    out = again.output()
+    assert "Traceback" not in out and "resumed from checkpoint at iteration 4" in out
+    assert f"newer steps (step_8, step_12) were moved to {first.ckpt / 'abandoned'}" in out, out
+    assert _latest_verified(first.ckpt) == "step_12" and checkpoint.list_steps(first.ckpt) == [4, 8, 12]
+    assert sorted(os.listdir(first.ckpt / "abandoned")) == ["step_12", "step_8"]
+    metrics = first.workdir / "logs" / "metrics.jsonl"
+    steps = [r["step"] for r in _train_records(metrics)]
+    assert steps == list(range(1, 13)), steps  # every step once
+    redone = {r["step"]: r["lm_loss"] for r in _train_records(metrics.with_suffix(".redone.jsonl"))}
+    again_losses = {r["step"]: r["lm_loss"] for r in _train_records(metrics) if r["step"] > 4}
+    assert redone == again_losses and sorted(redone) == list(range(5, 13))  # the redo is bitwise the same
+
+
+def test_kill_between_publication_and_rename_resumes_from_the_published_step(tmp_path):
+    job = Job(tmp_path / "a", "training.train_steps=20", "checkpoint.interval=4", fault="die_after_publish:8")
+    assert job.wait() != 0
+    assert (job.ckpt / "latest").read_text() == "step_8" and not (job.ckpt / "step_8").exists()
+    assert (job.ckpt / "step_8.tmp" / "manifest.json").is_file()
+    again = Job(tmp_path / "b", "training.train_steps=10", "checkpoint.interval=4", "checkpoint.resume=auto",
+                ckpt=job.ckpt)
+    assert again.wait() == 0, again.output()
+    out = again.output()
+    assert "finished the interrupted save of step_8" in out and "resumed from checkpoint at iteration 8" in out, out
+    assert _latest_verified(job.ckpt) == "step_10" and checkpoint.list_steps(job.ckpt) == [8, 10]  # keep_last 2
+
+
+def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path):
+    """A frozen rank (SIGSTOP: as a rank in D state or a dead host) used to hang the job silently."""
+    job = Job(tmp_path, "training.train_steps=400", "training.collective_timeout_s=10")
+    pids = job.wait_steps(3)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        job.wait_for(lambda: "stalled" in job.output(), "the stall report")
+        named = time.monotonic() - stopped
+        code = job.wait()
+        took = time.monotonic() - stopped
+        _wait_gone(pids.values())
+    finally:
+        for pid in pids.values():
+            _signal(pid, signal.SIGKILL)
+    out = job.output()
+    lines = [x for x in out.splitlines() if "stalled" in x]
+    assert code == 4 and len(lines) == 1, out
+    assert lines[0].startswith("[rank 0/2] stalled: rank 1 (pid ") and f"pid {pids[1]}," in lines[0], lines[0]
+    assert "has sent no heartbeat for" in lines[0] and "Traceback" not in out
+    print(f"SIGSTOP of rank 1: named after {named:.1f} s, job exited {code} after {took:.1f} s "
+          "(collective_timeout_s=10; torchrun SIGKILLs a stopped rank after its 30 s grace)")
+
+
+def test_crafted_metadata_is_refused_through_the_launcher_and_runs_no_code(tmp_path):
+    import pickle
+
+    from te_npu.distributed.checkpoint_manifest import file_entry
+
+    first = Job(tmp_path / "a", "training.train_steps=4", "checkpoint.interval=2")
+    assert first.wait() == 0
+    step = first.ckpt / "step_4"
+    marker = tmp_path / "code_ran"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (step / ".metadata").write_bytes(pickle.dumps(RunsCode()))
+    manifest = json.loads((step / "manifest.json").read_text())  # whoever can write the folder re-hashes it
+    manifest["files"][".metadata"] = file_entry(str(step / ".metadata"))
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    again = Job(tmp_path / "b", "training.train_steps=6", "checkpoint.resume=auto", ckpt=first.ckpt)
+    assert again.wait() == 2
+    lines = again.output().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ConfigError: "), lines
+    assert "step_4/.metadata: refused: it names the global posix.system" in lines[0], lines[0]
+    assert not marker.exists()
+
+
+def _tiny_disk(mount: Path, size: str) -> tuple[str, ...]:
+    """A command prefix that runs the rest on a private tmpfs of ``size`` at ``mount`` (user namespace)."""
+    mount.mkdir(parents=True, exist_ok=True)
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {mount}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private tmpfs here (unshare -Urm): {probe.stderr.strip()}")
+    return ("unshare", "-Urm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs {mount} && exec "$@"', "sh")
+
+
+def test_a_save_that_cannot_fit_is_one_line_naming_the_folder_and_bytes(tmp_path):
+    """A full disk used to be a 67-line traceback ("unexpected pos 704 vs 598")."""
+    disk = tmp_path / "disk"
+    job = Job(tmp_path, "training.train_steps=6", "checkpoint.interval=2", ckpt=disk / "ckpt",
+              prefix=_tiny_disk(disk, "24m"))
+    assert job.wait() == 1
+    out = job.output()
+    lines = [x for x in out.splitlines() if "free, the step needs about" in x]
+    assert len(lines) == 1 and "Traceback" not in out, out
+    assert f"checkpoint.save of step 2 to {disk / 'ckpt'}: {disk / 'ckpt'} has " in lines[0], lines[0]
+
+
+def test_disk_full_in_the_middle_of_a_save_is_one_line(tmp_path):
+    """The free-space check passes (its headroom is disabled here), then the disk fills while DCP writes."""
+    disk = tmp_path / "disk"
+    code = (
+        "import sys, torch\n"
+        "from te_npu.distributed import MasterWeightOptimizer, checkpoint\n"
+        "from te_npu.training.job import run_job\n"
+        "from tests.distributed.harness import build\n"
+        "checkpoint._SPACE_MARGIN = (0.3, 0)\n"
+        "def body(stop):\n"
+        "    model, init = build('mxfp8', seed=0)\n"
+        "    opt = MasterWeightOptimizer(model, init, lr=1e-2)\n"
+        f"    checkpoint.save('{disk}/ckpt', model, opt, 1)\n"
+        "sys.exit(run_job(body))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([*_tiny_disk(disk, "600k"), sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=HANG)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len([x for x in err if "no space left on the device" in x]) == 1, done.stderr
+    assert "Traceback" not in done.stderr and f"of {disk}/ckpt" in done.stderr
+
+
+def test_converter_errors_are_one_line_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "scripts/convert_checkpoint.py", "dcp-to-hf", "--config", str(RECIPE),
+                           "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "hf")], cwd=REPO,
+                          capture_output=True, text=True, timeout=HANG,
+                          env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("ConfigError: "), lines
+    assert "is not a te_npu DCP checkpoint" in lines[0]

@@ -15,6 +15,7 @@ The parent holds the transformers model and checks the numbers against it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -116,8 +117,23 @@ def hf_job(tmp_path_factory, st_data_dir):
     dirs = {"per_expert": str(work / "hf_per_expert"), "stacked": str(work / "hf_stacked")}
     hf.save_pretrained(dirs["per_expert"], max_shard_size="300KB")
     hf.save_pretrained(dirs["stacked"], save_original_format=False)
+    _add_source_fields(Path(dirs["per_expert"]))
     ranks = H.spawn(_hf_job, work, str(st_data_dir), dirs)
     return {"work": work, "hf": hf, "dirs": dirs, "ranks": ranks, "config": config}
+
+
+SOURCE_FIELDS = {"bos_token_id": 3, "eos_token_id": 4, "max_position_embeddings": 4096, "use_cache": True}
+SOURCE_FILES = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.json": '{"model_max_length": 4096}'}
+
+
+def _add_source_fields(path: Path) -> None:
+    """What a published checkpoint has and the recipe does not know: token ids, context length,
+    generation defaults, a tokenizer."""
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **SOURCE_FIELDS}))
+    for name, text in SOURCE_FILES.items():
+        (path / name).write_text(text)
+    assert (path / "generation_config.json").is_file()  # save_pretrained writes it
 
 
 def _hf_loss(hf, batch):
@@ -197,6 +213,20 @@ def test_hf_export_loads_in_transformers_with_our_logits(hf_job, export):
         logits = model(input_ids=rank0["eval_ids"]).logits
     assert (logits - rank0["fp32_logits"]).abs().max().item() <= 1e-5
     assert not torch.equal(rank0["fp32_logits"], hf_job["hf"](input_ids=rank0["eval_ids"]).logits)  # it trained
+
+
+def test_hf_trainer_export_carries_the_sources_config_fields_and_files(hf_job):
+    work, source = hf_job["work"], Path(hf_job["dirs"]["per_expert"])
+    export = work / "fp32" / "ckpt" / "hf" / f"step_{STEPS}"
+    config = json.loads((export / "config.json").read_text())
+    assert {k: config[k] for k in SOURCE_FIELDS} == SOURCE_FIELDS, config  # not the recipe's 0 / 1 / 512 / false
+    assert config["dtype"] == "float32" and config["num_hidden_layers"] == hf_job["config"].num_hidden_layers
+    for name in [*SOURCE_FILES, "generation_config.json"]:
+        assert (export / name).read_bytes() == (source / name).read_bytes(), name
+    record = json.loads((export / "te_npu_export.json").read_text())
+    assert record["step"] == STEPS and record["lineage"]
+    converted = json.loads((work / "converted" / "config.json").read_text())  # no source named: the model's own
+    assert converted["max_position_embeddings"] == hf_job["config"].max_position_embeddings
 
 
 def test_hf_resume_from_converted_step_zero(hf_job):
@@ -304,3 +334,71 @@ def test_hf_start_config_keys_are_validated(tmp_path, st_data_dir):
         _cfg("bf16", tmp_path, st_data_dir, "checkpoint.initial_load_format=dcp")
     with pytest.raises(ConfigError, match=r"checkpoint\.export_dtype: 'fp8' is not supported"):
         _cfg("bf16", tmp_path, st_data_dir, "checkpoint.export_dtype=fp8")
+
+
+# ---- nothing outside the run's own files is replaced; bad files are named ---------------------------
+
+
+def test_hf_export_dir_holding_the_source_is_refused_before_the_build(hf_dir, tmp_path, st_data_dir):
+    """The issue's case: the export would have replaced the source directory (exit 0, files gone)."""
+    path = hf_dir("export_over_source")
+    (path / "tokenizer.json").write_text("{}")
+    before = sorted(os.listdir(path))
+    message, built = _setup_error(_single_cfg(tmp_path, st_data_dir, path, "checkpoint.last_save_format=hf",
+                                              f"checkpoint.export_dir={path}"))
+    assert message.startswith("checkpoint.export_dir: ") and "not an export of this run" in message, message
+    assert "config.json" in message and not built
+    assert sorted(os.listdir(path)) == before
+
+
+def test_hf_export_dir_that_cannot_be_written_is_refused_before_the_build(hf_dir, tmp_path, st_data_dir):
+    (tmp_path / "a_file").write_text("x")
+    message, built = _setup_error(_single_cfg(tmp_path, st_data_dir, hf_dir("unwritable"),
+                                              "checkpoint.last_save_format=hf",
+                                              f"checkpoint.export_dir={tmp_path / 'a_file' / 'hf'}"))
+    assert message.startswith("checkpoint.export_dir: ") and "is not writable" in message, message
+    assert not built
+
+
+@pytest.mark.parametrize("damage", ["safetensors_header", "safetensors_truncated", "config_json", "index_json"])
+def test_hf_start_names_a_damaged_file_in_one_line(hf_dir, tmp_path, st_data_dir, damage):
+    if damage == "index_json":  # a sharded directory, which has an index
+        path = tmp_path / "sharded"
+        hf_model_for(model_config(_cfg("bf16", tmp_path, st_data_dir)), seed=HF_SEED).save_pretrained(
+            path, max_shard_size="300KB")
+    else:
+        path = hf_dir(f"damaged_{damage}")
+    victim = {"safetensors_header": "model.safetensors", "safetensors_truncated": "model.safetensors",
+              "config_json": "config.json", "index_json": "model.safetensors.index.json"}[damage]
+    data = (path / victim).read_bytes()
+    if damage == "safetensors_header":
+        data = data[:8] + b"\xff" * 16 + data[24:]
+    elif damage == "safetensors_truncated":
+        data = data[: len(data) // 2]
+    else:
+        data = data[: len(data) // 2]  # a JSON file cut short
+    (path / victim).write_bytes(data)
+    message, built = _setup_error(_single_cfg(tmp_path, st_data_dir, path))
+    assert message.startswith("checkpoint.initial_load_path: ") and str(path / victim) in message, message
+    assert "\n" not in message and not built
+
+
+def test_hf_to_dcp_refuses_a_folder_holding_a_run(hf_dir, tmp_path, st_data_dir):
+    """The issue's case: step_0 written into a run's folder became its latest (resume: auto restarted from HF)."""
+    from models.deepseek_v3.pretrain import DeepseekV3Task
+    from te_npu.distributed import checkpoint
+    from te_npu.training.hf_convert import hf_to_dcp
+
+    cfg = _cfg("bf16", tmp_path, st_data_dir, "fsdp_config.dp_shard_size=1", "training.train_steps=2")
+    trainer, _ = H._trainer(cfg, [])
+    try:
+        trainer.setup(cfg)
+        trainer.train()
+    finally:
+        trainer.close()
+    run = cfg.checkpoint.dir
+    with pytest.raises(ConfigError, match=r"--out: .* already holds a run's checkpoints \(step_2, latest\)"):
+        hf_to_dcp(cfg, DeepseekV3Task(), str(hf_dir("for_convert")), run, progress=False)
+    assert checkpoint.latest_checkpoint(run).endswith("step_2") and checkpoint.list_steps(run) == [2]
+    fresh = hf_to_dcp(cfg, DeepseekV3Task(), str(hf_dir("for_convert_2")), str(tmp_path / "new"), progress=False)
+    assert checkpoint.step_info(fresh)["lineage"] != checkpoint.step_info(os.path.join(run, "step_2"))["lineage"]

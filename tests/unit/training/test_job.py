@@ -45,6 +45,14 @@ def test_job_error_prints_one_traceback_exit_1(capsys):
     assert err.startswith("failed: ValueError: bad batch\n") and err.count("Traceback") == 1
 
 
+def test_job_disk_full_is_one_line_exit_1(capsys):
+    from te_npu.distributed.disk_space import DiskFullError
+
+    message = "checkpoint.save of step 8 to /ckpt: /ckpt has 1.0 MiB free, the step needs about 3.4 GiB"
+    assert run_job(_raise(DiskFullError(message))) == EXIT_ERROR
+    assert capsys.readouterr().err == message + "\n"
+
+
 def test_job_sigint_stops_with_130_and_restores_handlers(capsys):
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     reached = []
@@ -89,3 +97,48 @@ def test_job_interruption_inside_dcp_keeps_its_exit_code(capsys):
     wrapped = CheckpointException("write", {1: _wrap_exception(interrupted)})
     assert run_job(_raise(wrapped)) == 128 + signal.SIGINT
     assert "interrupted by SIGINT; stopped without saving" in capsys.readouterr().err
+
+
+def test_job_signal_inside_a_checkpoint_write_is_reported_as_the_signal(capsys):
+    """SIGTERM landing in torch.save: its zip writer's __exit__ raises "unexpected pos" while the
+    interruption propagates, and DCP hands that to every rank; the job still reports the signal."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from te_npu.training.job import JobInterrupted
+
+    def body(stop):
+        try:
+            try:
+                raise JobInterrupted(signal.SIGTERM)
+            except JobInterrupted:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        except RuntimeError as exc:
+            raise CheckpointException("write", {0: exc}) from None
+
+    assert run_job(body) == 128 + signal.SIGTERM
+    assert "interrupted by SIGTERM; stopped without saving" in capsys.readouterr().err
+
+
+def test_job_rank_of_a_multi_rank_job_never_finalizes_on_the_error_path(tmp_path):
+    """An interruption inside close() can leave the process group half destroyed (no longer
+    "initialized", its gloo backend still referenced): a rank that was part of a multi-rank job
+    still leaves with os._exit, so the interpreter never finalizes with a live gloo group (which
+    aborts: "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, sys\n"
+        "from torch.distributed import HashStore\n"
+        "from te_npu.training.job import run_job\n"
+        "atexit.register(lambda: print('finalized', flush=True))\n"
+        "def body(stop):\n"
+        "    stop.watch.start(600, store=HashStore(), rank=0, world=2)  # as the trainer does with its group\n"
+        "    raise ValueError('after the group was torn down')\n"
+        "sys.exit(run_job(body))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=str(tmp_path))
+    assert done.returncode == EXIT_ERROR, done.stderr
+    assert "finalized" not in done.stdout and "ValueError: after the group was torn down" in done.stderr

@@ -67,3 +67,36 @@ def test_metrics_peak_memory_cpu():
     assert peak_memory_mb("cpu") > 1.0
     with pytest.raises(RuntimeError, match="max_memory_allocated"):
         peak_memory_mb("meta")
+
+
+def test_metrics_resume_moves_the_redone_steps_aside_so_each_step_appears_once(tmp_path):
+    run = tmp_path / "run"
+    with MetricsLogger(run, train_steps=12) as log:  # the first attempt: 12 steps, then a rollback to 4
+        log.log_config({"attempt": 1})
+        for step in range(1, 13):
+            log.log_step(step, **{**STEP, "lm_loss": float(step)})
+            if step % 4 == 0:
+                log.log_validation(step, lm_loss=float(step))
+    with MetricsLogger(run, train_steps=12) as log:
+        log.log_config({"attempt": 2})
+        assert log.resume_at(4) == 8 + 2  # steps 5..12 and the validations at 8 and 12
+        for step in range(5, 13):
+            log.log_step(step, **{**STEP, "lm_loss": 100.0 + step})
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r["step"] for r in records if r["kind"] == "train"]
+    assert train == list(range(1, 13)), train  # no step twice
+    assert [r["lm_loss"] for r in records if r["kind"] == "train"][4:] == [100.0 + s for s in range(5, 13)]
+    assert [r["step"] for r in records if r["kind"] == "val"] == [4]
+    assert [r["kind"] for r in records].count("config") == 2
+    assert any(r["kind"] == "resume" and r["step"] == 4 and r["redone"] == 10 for r in records)
+    redone = [json.loads(x) for x in (run / "metrics.redone.jsonl").read_text().splitlines()]
+    assert [r["lm_loss"] for r in redone if r["kind"] == "train"] == [float(s) for s in range(5, 13)]  # kept
+
+
+def test_metrics_resume_at_the_last_step_moves_nothing(tmp_path):
+    with MetricsLogger(tmp_path, train_steps=3) as log:
+        for step in (1, 2, 3):
+            log.log_step(step, **STEP)
+        assert log.resume_at(3) == 0
+    assert not (tmp_path / "metrics.redone.jsonl").exists()
+    assert MetricsLogger(tmp_path, train_steps=3, rank=1).resume_at(1) == 0  # other ranks write nothing

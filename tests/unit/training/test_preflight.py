@@ -77,3 +77,62 @@ def test_preflight_collisions_with_another_runs_steps(tmp_path):
     preflight.check_step_collisions(str(tmp_path), [4], "old")  # resuming that run: its own step
     with pytest.raises(ConfigError, match=r"already holds step_4 of another run"):
         preflight.check_step_collisions(str(tmp_path), [2, 4], None)
+    message = _error(lambda: preflight.check_step_collisions(str(tmp_path), [4], "new", resuming=True))
+    assert "checkpoint.resume=auto" not in message and "move those steps out of the folder" in message, message
+    assert "resume that run (checkpoint.resume=auto)" in _error(
+        lambda: preflight.check_step_collisions(str(tmp_path), [4], None))
+
+
+def _error(fn) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn()
+    return str(info.value)
+
+
+def test_preflight_latest_outside_its_folder_is_refused(tmp_path):
+    _fake_step(tmp_path / "other", 16)
+    mine = tmp_path / "mine"
+    _fake_step(mine, 4)
+    (mine / "latest").write_text("../other/step_16")
+    assert "which is not a step of this folder" in _error(lambda: preflight.resume_target(_ckpt(mine)))
+
+
+def test_preflight_a_step_published_but_not_renamed_is_the_resume_target(tmp_path):
+    """A save killed between moving latest and the rename: its files are complete in step_8.tmp."""
+    from te_npu.distributed.checkpoint_manifest import hash_files, write_manifest
+
+    _fake_step(tmp_path, 4)
+    tmp = _fake_step(tmp_path, 8).rename(tmp_path / "step_8.tmp")
+    write_manifest(str(tmp), 8, hash_files(str(tmp), os.listdir(tmp)))
+    (tmp_path / "latest").write_text("step_8")
+    assert preflight.resume_target(_ckpt(tmp_path)) == str(tmp_path / "step_8")
+    assert preflight.resume_target(_ckpt(tmp_path, load_step=8)) == str(tmp_path / "step_8")
+    (tmp / "manifest.json").unlink()  # not complete: not a step to resume
+    assert "step_8 does not exist" in _error(lambda: preflight.resume_target(_ckpt(tmp_path)))
+
+
+def _hf_like(directory):
+    directory.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        (directory / name).write_text("{}")
+    return directory
+
+
+def test_preflight_export_dir_refuses_what_is_not_an_earlier_export_of_this_run(tmp_path):
+    from te_npu.distributed.hf_checkpoint import EXPORT_RECORD
+
+    source = _hf_like(tmp_path / "hf_source")  # e.g. the run's own checkpoint.initial_load_path
+    message = _error(lambda: preflight.check_export_dir(str(source), "run", "checkpoint.export_dir"))
+    assert message.startswith("checkpoint.export_dir: ") and "config.json, generation_config.json" in message, message
+    assert "files that are not an export of this run" in message
+    assert sorted(os.listdir(source)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    (source / EXPORT_RECORD).write_text(json.dumps({"lineage": "another", "step": 3}))
+    assert "holds another run's export" in _error(lambda: preflight.check_export_dir(str(source), "run", "k"))
+    (source / EXPORT_RECORD).write_text(json.dumps({"lineage": "run", "step": 3}))
+    preflight.check_export_dir(str(source), "run", "k")  # an earlier export of this run: replaced
+    preflight.check_export_dir(str(tmp_path / "new"), "run", "k")
+    (tmp_path / "empty").mkdir()
+    preflight.check_export_dir(str(tmp_path / "empty"), "run", "k")
+    (tmp_path / "a_file").write_text("x")
+    assert "is not a directory" in _error(lambda: preflight.check_export_dir(str(tmp_path / "a_file"), "run", "k"))
+    assert "not writable" in _error(lambda: preflight.check_export_dir(str(tmp_path / "a_file" / "hf"), "run", "k"))

@@ -176,13 +176,46 @@ def test_check_token_ids_before_training(tmp_path):
     assert check_token_ids(TokenDataset(tmp_path / "ok"), 256, "data.path") is None
     with pytest.raises(ConfigError, match=r"data\.path: .*vocab_size 256 .*larger than the model's vocab_size 128"):
         check_token_ids(TokenDataset(tmp_path / "ok"), 128, "data.path")
-    # a .bin edited after the header was written: the scan finds the id (train slice reports the file offset)
+    # a .bin edited after a header without a digest was written (older files): the scan finds the id
+    # (train slice reports the file offset)
     tokens = np.memmap(tmp_path / "ok.bin", dtype=np.uint16, mode="r+")
     tokens[900] = 40000
     tokens.flush()
+    _drop_digest(tmp_path / "ok.json")
     tail = TokenDataset(tmp_path / "ok").slice(800, 1000)
     with pytest.raises(ConfigError, match=r"ok\.bin \[tokens 800:1000\] holds token id 40000 at token offset 900"):
         check_token_ids(tail, 256, "data.path")
+
+
+def _drop_digest(meta_path):
+    meta = json.loads(meta_path.read_text())
+    del meta["sha256"]
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_token_file_edited_after_its_header_fails_naming_the_file(tmp_path):
+    ids = np.arange(1000) % 200
+    write_token_file(tmp_path / "ok", [("d", b"", ids)], vocab_size=256, tokenizer={}, eos_token_id=None, split="x")
+    tokens = np.memmap(tmp_path / "ok.bin", dtype=np.uint16, mode="r+")
+    tokens[900] = 7  # a valid id, same size: only the digest sees it
+    tokens.flush()
+    with pytest.raises(ValueError, match=r"ok\.bin: its SHA-256 is [0-9a-f]{16}\.\.\., its \.json header says"):
+        TokenDataset(tmp_path / "ok")
+    cfg = SimpleNamespace(kind="bin", path=str(tmp_path / "ok"), val_path=None, val_fraction=0.1)
+    with pytest.raises(ConfigError, match=r"^data\.path: .*ok\.bin: its SHA-256 is"):
+        build_datasets(cfg)
+    _drop_digest(tmp_path / "ok.json")  # a header that records none: nothing to check against
+    assert len(TokenDataset(tmp_path / "ok")) == 1000
+
+
+def test_token_file_digest_is_skipped_above_the_limit(tmp_path):
+    from te_npu.training.token_checksum import check_sha256
+
+    write_token_file(tmp_path / "ok", [("d", b"", np.arange(100))], vocab_size=256, tokenizer={}, eos_token_id=None,
+                     split="x")
+    assert check_sha256(tmp_path / "ok.bin", "0" * 64, limit=100) is False  # 200 bytes > limit: not read
+    with pytest.raises(ValueError, match="SHA-256"):
+        check_sha256(tmp_path / "ok.bin", "0" * 64, limit=1000)
 
 
 def test_token_batcher_too_small_dataset_fails(tmp_path):
