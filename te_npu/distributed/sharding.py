@@ -220,8 +220,8 @@ def plan_shards(
             dims[fqn] = dim
     plan = ShardPlan(tuple(sharded), replicated, dims=dims, shapes=shapes, nbytes=nbytes, world_size=world_size)
     if replicated and not fallback_to_unsharded:
-        lines = [f"parameter {name if len(fqns) > 1 else fqns[0]!r} shape {list(shape)}"
-                 + (f" (x{len(fqns)})" if len(fqns) > 1 else "") + f": {reasons}"
+        lines = [f"parameter {fqns[0]!r} shape {list(shape)}"
+                 + (f" (and {len(fqns) - 1} more like it: {name})" if len(fqns) > 1 else "") + f": {reasons}"
                  for (name, shape, reasons), fqns in folded.items()]
         raise ConfigError(
             f"shard constraints violated over FSDP world size {world_size}: no shard dim keeps these "
