@@ -64,8 +64,8 @@ class ToyModel(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.norm = nn.Parameter(torch.ones(HIDDEN, dtype=torch.bfloat16))
-        self.up = te_npu.TELinear(HIDDEN, FFN)
-        self.mix = te_npu.TEGroupedLinear(EXPERTS, FFN, HIDDEN)
+        self.up = te_npu.TELinear(HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16)
+        self.mix = te_npu.TEGroupedLinear(EXPERTS, FFN, HIDDEN, bias=False, params_dtype=torch.bfloat16)
         self.moe = te_npu.TEGroupedSwiGLUExperts(EXPERTS, HIDDEN, HIDDEN)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,10 +36,10 @@ class Block(nn.Module):
     def __init__(self, side: bool) -> None:
         super().__init__()
         self.norm = nn.Parameter(torch.ones(HIDDEN, dtype=torch.bfloat16))
-        self.up = te_npu.TELinear(HIDDEN, FFN)
-        self.mix = te_npu.TEGroupedLinear(EXPERTS, FFN, HIDDEN)
+        self.up = te_npu.TELinear(HIDDEN, FFN, bias=False, params_dtype=torch.bfloat16)
+        self.mix = te_npu.TEGroupedLinear(EXPERTS, FFN, HIDDEN, bias=False, params_dtype=torch.bfloat16)
         self.experts = te_npu.TEGroupedSwiGLUExperts(EXPERTS, HIDDEN, HIDDEN)
-        self.side = te_npu.TELinear(HIDDEN, 32) if side else None
+        self.side = te_npu.TELinear(HIDDEN, 32, bias=False, params_dtype=torch.bfloat16) if side else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.experts(self.mix(self.up(x * self.norm), M_SPLITS), M_SPLITS)

@@ -145,8 +145,8 @@ def test_weight_decay_shrinks_matrices_but_not_norms_or_biases():
 class _FourWeights(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.c = te_npu.TELinear(64, 64), te_npu.TELinear(64, 128), te_npu.TELinear(128, 64)
-        self.experts = te_npu.TEGroupedLinear(2, 64, 64)
+        self.a, self.b, self.c = te_npu.TELinear(64, 64, bias=False, params_dtype=torch.bfloat16), te_npu.TELinear(64, 128, bias=False, params_dtype=torch.bfloat16), te_npu.TELinear(128, 64, bias=False, params_dtype=torch.bfloat16)
+        self.experts = te_npu.TEGroupedLinear(2, 64, 64, bias=False, params_dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # FSDP2 needs one; this test never runs it
         return self.experts(self.c(self.b(self.a(x))), [x.shape[0], 0])

@@ -91,8 +91,8 @@ def test_post_all_gather_validates_count_shape_dtype_and_hif8_scale_agreement():
 class _FallbackModel(nn.Module):
     def __init__(self):
         super().__init__()
-        self.small = te_npu.TELinear(64, 64)  # MXFP8 N_local = 32: kept replicated
-        self.big = te_npu.TELinear(64, 128)
+        self.small = te_npu.TELinear(64, 64, bias=False, params_dtype=torch.bfloat16)  # MXFP8 N_local = 32: kept replicated
+        self.big = te_npu.TELinear(64, 128, bias=False, params_dtype=torch.bfloat16)
 
     def forward(self, x):
         return self.big(self.small(x))

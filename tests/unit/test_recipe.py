@@ -102,7 +102,7 @@ def test_disabled_low_precision_never_imports_torch_npu():
     code = (
         "import sys, te_npu, torch\n"
         "assert te_npu.recipe_from_config({'enabled': False}) is None\n"
-        "m = te_npu.TELinear(64, 64)\n"
+        "m = te_npu.TELinear(64, 64, bias=False, params_dtype=torch.bfloat16)\n"
         "with te_npu.autocast(enabled=False):\n"
         "    m(torch.randn(2, 64, dtype=torch.bfloat16)).sum().backward()\n"
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported'\n"

@@ -44,7 +44,7 @@ def _raises(fn, exc, reason):
 
 def _quantized_linear():
     with te_npu.quantized_model_init(recipe=MXFP8BlockRecipe()):
-        return te_npu.TELinear(64, 64)
+        return te_npu.TELinear(64, 64, bias=False, params_dtype=torch.bfloat16)
 
 
 def _optimizer_step():
@@ -63,7 +63,7 @@ def _load_weights_only():
 
 def _high_precision_init_val():
     with te_npu.quantized_model_init(recipe=MXFP8BlockRecipe(), preserve_high_precision_init_val=True):
-        lin = te_npu.TELinear(64, 64)
+        lin = te_npu.TELinear(64, 64, bias=False, params_dtype=torch.bfloat16)
     assert lin.weight.get_high_precision_init_val().dtype == torch.bfloat16
     lin.weight.clear_high_precision_init_val()
 
@@ -74,15 +74,15 @@ def _forward(**kwargs):
 
 def _torch_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16), te_npu.autocast():
-        assert te_npu.TELinear(64, 64, params_dtype=torch.float32)(torch.randn(32, 64)).dtype == torch.bfloat16
+        assert te_npu.TELinear(64, 64, params_dtype=torch.float32, bias=False)(torch.randn(32, 64)).dtype == torch.bfloat16
 
 
 def _dtype_cast():
-    assert te_npu.TELinear(64, 64)(torch.randn(32, 64)).dtype == torch.float32
+    assert te_npu.TELinear(64, 64, bias=False, params_dtype=torch.bfloat16)(torch.randn(32, 64)).dtype == torch.float32
 
 
 def _grouped():
-    layer = te_npu.TEGroupedLinear(2, 64, 64)
+    layer = te_npu.TEGroupedLinear(2, 64, 64, bias=False, params_dtype=torch.bfloat16)
     assert layer(torch.randn(32, 64).to(torch.bfloat16), [20, 12], is_first_microbatch=True).shape == (32, 64)
 
 
@@ -118,7 +118,7 @@ CHECKS = {
     "`transformer_engine.pytorch.GroupedLinear(num_gemms, in, out)`, `forward(x, m_splits, is_first_microbatch)`": (
         "supported", _grouped),
     "`GroupedLinear(..., bias=True)`": ("refused", lambda: _raises(
-        lambda: te_npu.TEGroupedLinear(2, 64, 64, bias=True), ValueError, "carry no bias")),
+        lambda: te_npu.TEGroupedLinear(2, 64, 64, bias=True, params_dtype=torch.bfloat16), ValueError, "carry no bias")),
     "`transformer_engine.common.recipe.MXFP8BlockScaling(margin, fp8_format, ...)`": (
         "supported", lambda: _resolve("te_npu.recipe.MXFP8BlockScaling")(0, Format.E4M3) == MXFP8BlockRecipe()
         or pytest.fail("not the MXFP8 recipe")),
