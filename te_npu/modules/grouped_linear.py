@@ -33,17 +33,27 @@ from te_npu.tensor import QuantizedWeightTensor
 __all__ = ["TEGroupedLinear", "TEGroupedSwiGLUExperts"]
 
 
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _checked_group_sizes(m_splits: Sequence[int] | torch.Tensor, num_groups: int, x: torch.Tensor) -> torch.Tensor:
     """int64 ``[G]`` row counts with their host mirror, checked exactly as the 8-bit path checks them."""
     return group_list_tensor(m_splits, num_groups, x.shape[0], x.device)
 
 
 def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
-    """``y`` whose incoming gradient is made contiguous: torch's CPU ``_grouped_mm`` backward
-    rejects a stride-0 gradient (``y.sum().backward()`` sends an expanded scalar)."""
+    """``y`` whose incoming gradient gets contiguous strides: torch's CPU ``_grouped_mm`` backward
+    rejects a stride-0 gradient (``y.sum().backward()`` sends an expanded scalar), also an empty
+    one (which ``contiguous()`` leaves as it is)."""
     if y.requires_grad:
-        y.register_hook(lambda grad: grad.contiguous())
+        y.register_hook(_with_contiguous_strides)
     return y
+
+
+def _with_contiguous_strides(grad: torch.Tensor) -> torch.Tensor:
+    if grad.is_contiguous() and grad.numel():
+        return grad
+    return torch.empty_like(grad, memory_format=torch.contiguous_format).copy_(grad)
 
 
 def _grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
@@ -52,8 +62,9 @@ def _grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes
     bias ``[G, N]`` or None -> ``[T, N]``: one ``F.linear(x_g, weight[g], bias[g])`` per group.
 
     Without bias, torch's grouped GEMM where it runs (the same values as the per-group loop);
-    with bias, the loop, so the bias is added as ``F.linear`` adds it (one rounding)."""
-    if bias is None and grouped_mm_available() and x.device.type in ("cuda", "cpu"):
+    with bias (or a dtype torch's grouped GEMM lacks, float64), the loop, so the bias is added as
+    ``F.linear`` adds it (one rounding)."""
+    if bias is None and grouped_mm_available() and x.device.type in ("cuda", "cpu") and x.dtype in _GROUPED_MM_DTYPES:
         offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
         return _contiguous_grad(grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
     chunks = torch.split(x, list(host_group_sizes(group_sizes)))
