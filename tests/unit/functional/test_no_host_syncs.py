@@ -44,9 +44,12 @@ def test_linear_step_makes_no_host_sync(recipe, plan, rand):
     assert syncs.total == 0, syncs.calls
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_grouped_linear_step_with_host_splits_makes_no_host_sync(recipe, plan, rand):
-    layer = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, bias=False, params_dtype=torch.bfloat16)
+def test_grouped_linear_step_with_host_splits_makes_no_host_sync(recipe, bias, plan, rand):
+    """TE's per-GEMM bias too: its rows are expanded with the known total, its gradient summed
+    per group from the splits' host mirror."""
+    layer = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, bias=bias, params_dtype=torch.bfloat16)
     syncs = _step(layer, recipe, rand(sum(SPLITS), 256, requires_grad=True), SPLITS)
     assert syncs.total == 0, syncs.calls
 
