@@ -15,6 +15,11 @@ module state in PyTorch's sense: quantizers, caches and ``fqn`` are plain attrib
 - which recipe a forward runs in, also when activation recompute replays it inside backward:
   ``te_npu.modules.forward_recipe``.
 - compute dtype: TE's activation dtype (``te_npu.functional.dtypes``).
+- construction follows TE's ``reset_parameters``: ``params_dtype`` defaults to
+  ``torch.get_default_dtype()``, ``init_method`` (default ``normal_(0, 0.023)``) runs on each
+  weight TE holds as a parameter, inside the RNG tracker's fork when one is given; biases are
+  zero. TE's ``_extra_state`` state-dict entry is accepted and dropped on load.
+- ``fuse_wgrad_accumulation``: the wgrad goes into ``weight.main_grad`` (``te_npu.functional.main_grad``).
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class TEModule(nn.Module):
         self._forward_recipes = ForwardRecipes()
         self._quantizers: Mapping[QuantizationRole, Quantizer] | None = None
         self._weight_caches = {name: WeightCache() for name in self._weight_names}
+        self.fuse_wgrad_accumulation = False  # TE's option; TELinear / TEGroupedLinear take it
 
     # ---- which recipe this forward runs in --------------------------------------------------
     def forward_recipe(self) -> Recipe | None:
@@ -98,8 +104,7 @@ class TEModule(nn.Module):
     def _main_grad_write(self, name: str, is_first_microbatch: bool | None) -> MainGradWrite | None:
         """How this forward's wgrad reaches ``<name>.main_grad`` under TE's ``fuse_wgrad_accumulation``
         (None: an ordinary gradient, or no wgrad at all)."""
-        if not (getattr(self, "fuse_wgrad_accumulation", False) and torch.is_grad_enabled()
-                and getattr(self, name).requires_grad):
+        if not (self.fuse_wgrad_accumulation and torch.is_grad_enabled() and getattr(self, name).requires_grad):
             return None
         return MainGradWrite.for_call(is_first_microbatch)
 

@@ -64,7 +64,8 @@ def _grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes
     Without bias, torch's grouped GEMM where it runs (the same values as the per-group loop);
     with bias (or a dtype torch's grouped GEMM lacks, float64), the loop, so the bias is added as
     ``F.linear`` adds it (one rounding)."""
-    if bias is None and grouped_mm_available() and x.device.type in ("cuda", "cpu") and x.dtype in _GROUPED_MM_DTYPES:
+    fused = grouped_mm_available() and x.device.type in ("cuda", "cpu") and x.dtype in _GROUPED_MM_DTYPES
+    if bias is None and fused:
         offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
         return _contiguous_grad(grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
     chunks = torch.split(x, list(host_group_sizes(group_sizes)))
