@@ -53,7 +53,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     ``get_rng_state_tracker`` (also in TE's deprecated positional form) accept only their no-op
     values; anything else raises ``ConfigError`` with the reason.
     """
-    args = _without_te_positional_form(args)
+    _refuse_te_positional_form(args)
     for name, (accepted, reason) in _TE_ONLY_ARGUMENTS.items():
         value = kwargs.pop(name, accepted)
         if value is not accepted and value != accepted:
@@ -89,19 +89,18 @@ def _reentrant(function, args: tuple, kwargs: dict, user_context_fn, state, opti
                 "so the reentrant checkpoint would drop its parameters' gradients (torch's reentrant limitation); "
                 "use use_reentrant=False")
     user_forward, user_recompute = user_context_fn()
-    calls = []
+    calls = [0]
 
     def run(*inner_args):
-        replay = bool(calls)  # the first call is the forward; every later one a recompute
-        calls.append(replay)
-        context = _both(user_recompute, autocast.replaying(state)) if replay else user_forward
+        calls[0] += 1  # the first call is the forward; every later one a recompute
+        context = _both(user_recompute, autocast.replaying(state)) if calls[0] > 1 else user_forward
         with context:
             return function(*inner_args, **kwargs)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=True, **options)
 
 
-def _without_te_positional_form(args: tuple) -> tuple:
+def _refuse_te_positional_form(args: tuple) -> None:
     """TE's deprecated ``checkpoint(fn, distribute_saved_activations, get_rng_state_tracker, tp_group,
     *args)``, recognised as TE recognises it (a bool, a callable, then None or a process group),
     is refused with the reason: te_npu has no tensor-parallel RNG tracker."""
@@ -110,7 +109,6 @@ def _without_te_positional_form(args: tuple) -> tuple:
         raise ConfigError("te_npu.checkpoint: TE's deprecated positional form (fn, distribute_saved_activations, "
                           f"get_rng_state_tracker, tp_group, *args) with get_rng_state_tracker={args[1]!r} is not "
                           f"supported: {_TE_ONLY_ARGUMENTS['get_rng_state_tracker'][1]}")
-    return args
 
 
 class _both:  # noqa: N801

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import te_npu
 from te_npu import ConfigError, HiF8CurrentScalingRecipe, MXFP8BlockRecipe
-from tests.seeded import seeded_init, seeded_randn
+from tests.seeded import BF16_NO_BIAS, seeded_init, seeded_randn
 
 BF16 = dict(params_dtype=torch.bfloat16)
 SPLITS = [40, 0, 55, 5]
@@ -167,7 +167,7 @@ def test_checkpoint_replays_autocast_entered_inside_the_function_and_retained_gr
     """An autocast inside the checkpointed function is re-entered by the recompute itself; a
     retained graph recomputes (and re-enters the replay context) once per backward."""
     init = seeded_init(0)
-    first, second = te_npu.TELinear(64, 64, init_method=init, bias=False, params_dtype=torch.bfloat16), te_npu.TELinear(64, 64, init_method=init, bias=False, params_dtype=torch.bfloat16)
+    first, second = te_npu.TELinear(64, 64, init_method=init, **BF16_NO_BIAS), te_npu.TELinear(64, 64, init_method=init, **BF16_NO_BIAS)
 
     def body(x):
         with te_npu.autocast(recipe=HiF8CurrentScalingRecipe()):

@@ -14,7 +14,7 @@ from te_npu import HiF8CurrentScalingRecipe, MXFP8BlockRecipe
 from te_npu.ops import emulation
 from te_npu import events
 from te_npu.testing import count_host_syncs
-from tests.seeded import seeded_init, seeded_randn
+from tests.seeded import BF16_NO_BIAS, seeded_init, seeded_randn
 
 RECIPES = [MXFP8BlockRecipe(), HiF8CurrentScalingRecipe()]
 SPLITS = [10, 0, 57, 33]
@@ -88,8 +88,8 @@ def test_steps_with_every_event_subscribed_make_no_host_sync(recipe, rand):
 def test_cuda_steps_make_no_host_sync(recipe):
     """The same claim checked by CUDA itself: ``set_sync_debug_mode("error")`` raises on any
     synchronizing call (a warm-up step first: weight quantization and compiles may sync)."""
-    layer = te_npu.TELinear(256, 128, init_method=seeded_init(0), bias=False, params_dtype=torch.bfloat16).to("cuda")
-    experts = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, init_method=seeded_init(1), bias=False, params_dtype=torch.bfloat16).to("cuda")
+    layer = te_npu.TELinear(256, 128, init_method=seeded_init(0), **BF16_NO_BIAS).to("cuda")
+    experts = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, init_method=seeded_init(1), **BF16_NO_BIAS).to("cuda")
     randn = seeded_randn(2)
     x = randn(64, 256).to("cuda").requires_grad_()
     xg = randn(sum(SPLITS), 256).to("cuda").requires_grad_()

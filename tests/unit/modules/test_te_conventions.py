@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import te_npu
 from te_npu import HiF8CurrentScalingRecipe, MXFP8BlockRecipe
-from tests.seeded import seeded_init
+from tests.seeded import BF16_NO_BIAS, seeded_init
 from tests.unit.functional.gemm_reference import RECIPES
 
 PATHS = [None, *RECIPES]
@@ -23,7 +23,7 @@ def _ctx(recipe):
 # ---- item 3: group splits are checked on the plain path as on the 8-bit one ---------------------
 
 @pytest.mark.parametrize("recipe", PATHS, ids=PATH_IDS)
-@pytest.mark.parametrize("module", [lambda: te_npu.TEGroupedLinear(4, 64, 96, bias=False, params_dtype=torch.bfloat16),
+@pytest.mark.parametrize("module", [lambda: te_npu.TEGroupedLinear(4, 64, 96, **BF16_NO_BIAS),
                                     lambda: te_npu.TEGroupedSwiGLUExperts(4, 64, 32)], ids=["grouped", "swiglu"])
 @pytest.mark.parametrize("splits, message", [
     ([25] * 4, r"must be non-negative and sum to the 128 input rows"),   # rows 100-127 in no group
@@ -45,8 +45,8 @@ def test_grouped_modules_check_splits_on_every_path(recipe, module, splits, mess
 def test_te_modules_take_is_first_microbatch_like_megatron(recipe, rand, init, experts_init):
     """Megatron passes is_first_microbatch to every TE forward; results equal the default call."""
     x = rand(32, 64)
-    for module, args in ((te_npu.TELinear(64, 96, init_method=init, bias=False, params_dtype=torch.bfloat16), (x,)),
-                         (te_npu.TEGroupedLinear(2, 64, 96, init_method=init, bias=False, params_dtype=torch.bfloat16), (x, [20, 12])),
+    for module, args in ((te_npu.TELinear(64, 96, init_method=init, **BF16_NO_BIAS), (x,)),
+                         (te_npu.TEGroupedLinear(2, 64, 96, init_method=init, **BF16_NO_BIAS), (x, [20, 12])),
                          (te_npu.TEGroupedSwiGLUExperts(2, 64, 32, init_method=experts_init), (x, [20, 12]))):
         with _ctx(recipe):
             want = module(*args)

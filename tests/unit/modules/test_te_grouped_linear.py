@@ -10,14 +10,14 @@ import te_npu
 from te_npu import HiF8CurrentScalingRecipe
 from te_npu.events import GemmEvent, OperandEvent, subscribe
 from te_npu.formats import QuantizationRole as Role
-from tests.seeded import seeded_init
+from tests.seeded import BF16_NO_BIAS, seeded_init
 from tests.unit.functional.gemm_reference import RECIPES
 
 SPLITS = [40, 0, 55, 5]
 
 
 def test_te_grouped_linear_plain_path_is_one_f_linear_per_group(rand, init):
-    layer = te_npu.TEGroupedLinear(len(SPLITS), 64, 96, init_method=init, bias=False, params_dtype=torch.bfloat16)
+    layer = te_npu.TEGroupedLinear(len(SPLITS), 64, 96, init_method=init, **BF16_NO_BIAS)
     x = rand(sum(SPLITS), 64)
     want = torch.cat([F.linear(chunk, w) for chunk, w in zip(torch.split(x, SPLITS), layer.weight)])
     for splits in (SPLITS, torch.tensor(SPLITS)):
@@ -122,7 +122,7 @@ def test_te_grouped_linear_on_meta_gives_the_output_shape_and_refuses_meta_split
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_te_grouped_linear_reports_grouped_gemms_and_operands_under_its_fqn(recipe, rand, init):
-    model = torch.nn.ModuleDict({"experts": te_npu.TEGroupedLinear(len(SPLITS), 64, 96, init_method=init, bias=False, params_dtype=torch.bfloat16)})
+    model = torch.nn.ModuleDict({"experts": te_npu.TEGroupedLinear(len(SPLITS), 64, 96, init_method=init, **BF16_NO_BIAS)})
     te_npu.assign_fqns(model)
     with torch.no_grad():
         model["experts"].weight[2] *= 100  # one expert far larger: its own HiF8 scale

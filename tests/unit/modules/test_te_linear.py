@@ -11,6 +11,7 @@ from te_npu import HiF8CurrentScalingRecipe, LowPrecisionUnavailableError, MXFP8
 from te_npu.events import GemmEvent, OperandEvent, QuantEvent, subscribe
 from te_npu.formats import QuantizationRole as Role
 from tests.unit.functional.gemm_reference import RECIPES
+from tests.seeded import BF16_NO_BIAS
 
 
 def _weight_quantizations(events, shape):
@@ -55,7 +56,7 @@ def test_te_linear_micro_batches_quantize_weight_per_forward_unless_is_first_mic
 
 
 def test_te_linear_error_names_fqn_and_recipe_change_warns(rand):
-    model = torch.nn.Sequential(torch.nn.Identity(), te_npu.TELinear(64, 96, bias=False, params_dtype=torch.bfloat16))
+    model = torch.nn.Sequential(torch.nn.Identity(), te_npu.TELinear(64, 96, **BF16_NO_BIAS))
     te_npu.assign_fqns(model)
     with pytest.raises(LowPrecisionUnavailableError, match=r"^1: mxfp8_e4m3 GEMM cannot run: input \[40, 64\] \(M=40"):
         with te_npu.autocast(recipe=MXFP8BlockRecipe()):

@@ -16,6 +16,7 @@ from te_npu import HiF8CurrentScalingRecipe, LowPrecisionUnavailableError, MXFP8
 from te_npu.events import QuantEvent, subscribe
 from te_npu.tensor import QuantizedWeightTensor
 from tests.unit.functional.gemm_reference import RECIPES
+from tests.seeded import BF16_NO_BIAS
 
 
 def _module(kind, init, experts_init):
@@ -23,7 +24,7 @@ def _module(kind, init, experts_init):
     if kind == "dense":
         return te_npu.TELinear(64, 96, bias=True, init_method=init, params_dtype=torch.bfloat16), (2, 32, 64), ()
     if kind == "grouped":
-        return te_npu.TEGroupedLinear(4, 64, 96, init_method=init, bias=False, params_dtype=torch.bfloat16), (100, 64), ([40, 0, 55, 5],)
+        return te_npu.TEGroupedLinear(4, 64, 96, init_method=init, **BF16_NO_BIAS), (100, 64), ([40, 0, 55, 5],)
     return te_npu.TEGroupedSwiGLUExperts(4, 64, 32, init_method=experts_init), (100, 64), ([40, 0, 55, 5],)
 
 
