@@ -36,6 +36,7 @@ from te_npu.functional.operands import (
 )
 from te_npu.functional.dtypes import torch_autocast_off
 from te_npu.functional.main_grad import MainGradWrite, require_main_grad, write_main_grad
+from te_npu.functional.no_tokens import no_tokens
 from te_npu.ops.group_sizes import host_group_sizes
 from te_npu.functional.weight_cache import WeightCache, WeightOperands, col_operand, weight_operands
 from te_npu.ops import low_precision_grouped_matmul
@@ -161,6 +162,8 @@ def grouped_linear(
     group_list = group_list_tensor(m_splits, g, x.shape[0], x.device)
     if main_grad is not None and torch.is_grad_enabled() and weight.requires_grad:
         require_main_grad(weight, context.name)
+    if x.shape[0] == 0:  # no token rows in any group: an empty output, zero wgrad, no GEMM
+        return no_tokens(x, weight, bias, main_grad)
     with torch_autocast_off(x.device.type):
         w_ops = weight_operands(weight, numerics, weight_cache, context, is_first_microbatch)
         return _GroupedLinearFunction.apply(x, weight, bias, group_list, w_ops, numerics, context,

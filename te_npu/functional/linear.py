@@ -41,6 +41,7 @@ from te_npu.functional.operands import (
 )
 from te_npu.functional.dtypes import torch_autocast_off
 from te_npu.functional.main_grad import MainGradWrite, require_main_grad, write_main_grad
+from te_npu.functional.no_tokens import no_tokens
 from te_npu.functional.weight_cache import WeightCache, WeightOperands, col_operand, weight_operands
 from te_npu.ops import low_precision_matmul
 from te_npu.quantizers import Quantizer
@@ -171,6 +172,8 @@ def linear(
     _check_shapes(numerics, context, tuple(x.shape), (n, k), need_wgrad)
     if main_grad is not None and need_wgrad:
         require_main_grad(weight, context.name)
+    if x.numel() == 0:  # no token rows: an empty output, zero wgrad, no GEMM
+        return no_tokens(x.reshape(0, k), weight, bias, main_grad).reshape(*x.shape[:-1], n)
     with torch_autocast_off(x.device.type):
         w_ops = weight_operands(weight, numerics, weight_cache, context, is_first_microbatch)
         y_MN = _LinearFunction.apply(x.reshape(-1, k), weight, bias, w_ops, numerics, context,
