@@ -178,7 +178,7 @@ def run(args) -> None:
         weight = torch.randn(n, HIDDEN, device=device, generator=gen) / HIDDEN**0.5
 
         def make_dense(dtype, weight=weight, n=n):
-            lin = te_npu.TELinear(HIDDEN, n, params_dtype=dtype, device=device)
+            lin = te_npu.TELinear(HIDDEN, n, params_dtype=dtype, device=device, bias=False)
             with torch.no_grad():
                 lin.weight.copy_(weight)
             return lin
@@ -194,7 +194,7 @@ def run(args) -> None:
     class Experts(torch.nn.Module):
         def __init__(self, dtype):
             super().__init__()
-            self.inner = te_npu.TEGroupedLinear(args.experts, HIDDEN, 2 * MOE_FF, params_dtype=dtype, device=device)
+            self.inner = te_npu.TEGroupedLinear(args.experts, HIDDEN, 2 * MOE_FF, params_dtype=dtype, device=device, bias=False)
             with torch.no_grad():
                 self.inner.weight.copy_(weight)
 

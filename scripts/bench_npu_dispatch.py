@@ -100,9 +100,9 @@ def measure(kind: str, fmt: str, groups: int, tokens: int = TOKENS, hidden: int 
     with npu_backend_process() as fake:
         with te_npu.quantized_model_init(recipe=recipe):
             if kind == "TELinear":
-                module = te_npu.TELinear(hidden, ffn)
+                module = te_npu.TELinear(hidden, ffn, bias=False, params_dtype=torch.bfloat16)
             else:
-                module = te_npu.TEGroupedLinear(groups, hidden, ffn)
+                module = te_npu.TEGroupedLinear(groups, hidden, ffn, bias=False, params_dtype=torch.bfloat16)
         x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(tokens, ffn, dtype=torch.bfloat16)
         splits = ragged_splits(groups, tokens)

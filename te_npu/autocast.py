@@ -101,23 +101,30 @@ class _StackContext:
 class autocast(_StackContext):  # noqa: N801 -- a context manager named like the function it replaces
     """Run TE modules in ``recipe`` (default ``MXFP8BlockRecipe()``) inside the block.
 
-    ``enabled=False`` makes TE modules compute in their parameter dtype (the BF16 baseline)
-    and never imports torch_npu. ``amax_reduction_group`` is kept for API compatibility with
-    Transformer Engine; current scaling in te_npu reduces weight amax in the optimizer refresh.
-    ``calibrating`` (TE's delayed-scaling statistics) has no meaning for te_npu's stateless
-    recipes: only False is accepted. A recipe that is not a te_npu recipe raises ``TypeError``
-    here, at the ``with`` line.
+    Arguments in Transformer Engine's order, ``autocast(enabled, calibrating, recipe,
+    amax_reduction_group, _graph)``. ``enabled=False`` makes TE modules compute in their
+    parameter dtype (the BF16 baseline) and never imports torch_npu. ``amax_reduction_group``
+    is kept for API compatibility with Transformer Engine; current scaling in te_npu reduces
+    weight amax in the optimizer refresh. ``calibrating`` (TE's delayed-scaling statistics) has
+    no meaning for te_npu's stateless recipes and ``_graph`` (TE's CUDA-graph capture flag) none
+    without graph capture: only False is accepted for either. Checked here, at the ``with``
+    line: a recipe that is not a te_npu recipe raises ``TypeError``, and so does a recipe given
+    positionally in the place of ``enabled`` or ``calibrating`` (te_npu's former order).
     """
 
     __slots__ = ("_state",)
     _stack = _autocast_stack
 
-    def __init__(self, enabled: bool = True, recipe: Recipe | None = None, amax_reduction_group: Any = None,
-                 *, calibrating: bool = False) -> None:
+    def __init__(self, enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
+                 amax_reduction_group: Any = None, _graph: bool = False) -> None:
         super().__init__()
+        for name, flag in (("enabled", enabled), ("calibrating", calibrating)):
+            _check_flag("te_npu.autocast", name, flag, "enabled, calibrating, recipe, amax_reduction_group, _graph")
         if calibrating:
             raise ConfigError("autocast.calibrating: True is not supported: te_npu's recipes keep no scaling "
                               "statistics to calibrate (current / block scaling)")
+        if _graph:
+            raise ConfigError("autocast._graph: True is not supported: te_npu does not capture CUDA / NPU graphs")
         recipe = check_recipe(recipe, "te_npu.autocast")
         self._state = AutocastState(bool(enabled), _resolve(enabled, recipe), amax_reduction_group)
 
@@ -130,18 +137,21 @@ class autocast(_StackContext):  # noqa: N801 -- a context manager named like the
     @classmethod
     def replaying(cls, state: AutocastState) -> "autocast":
         """A context that re-enters ``state`` (e.g. captured at a checkpointed call)."""
-        return cls(state.enabled, state.recipe, state.amax_reduction_group)
+        return cls(state.enabled, recipe=state.recipe, amax_reduction_group=state.amax_reduction_group)
+
+
+def _check_flag(where: str, name: str, value: Any, order: str) -> None:
+    """A bool (or 0 / 1) flag; a recipe or anything else there is a misplaced positional argument."""
+    if isinstance(value, (bool, int)):
+        return
+    raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}; the positional order is "
+                    f"Transformer Engine's ({order}): pass the recipe as recipe=...")
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Recipe | None = None,
                  fp8_group: Any = None, _graph: bool = False) -> autocast:
-    """Transformer Engine's spelling of :class:`autocast`, with TE's argument order.
-
-    ``_graph`` (TE's CUDA-graph capture flag) is not supported: only False is accepted.
-    """
-    if _graph:
-        raise ConfigError("fp8_autocast._graph: True is not supported: te_npu does not capture CUDA / NPU graphs")
-    return autocast(enabled=enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group, calibrating=calibrating)
+    """Transformer Engine's older spelling of :class:`autocast`, with TE's argument names and order."""
+    return autocast(enabled, calibrating, fp8_recipe, fp8_group, _graph)
 
 
 class quantized_model_init(_StackContext):  # noqa: N801
@@ -159,6 +169,8 @@ class quantized_model_init(_StackContext):  # noqa: N801
     def __init__(self, enabled: bool = True, recipe: Recipe | None = None,
                  preserve_high_precision_init_val: bool = False) -> None:
         super().__init__()
+        _check_flag("te_npu.quantized_model_init", "enabled", enabled,
+                    "enabled, recipe, preserve_high_precision_init_val")
         recipe = check_recipe(recipe, "te_npu.quantized_model_init")
         self._state = QuantizedInitState(_resolve(enabled, recipe), bool(preserve_high_precision_init_val))
 

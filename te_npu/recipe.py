@@ -8,17 +8,22 @@ an immutable quantizer (spec sections 7.1 and 13.3). Two recipes exist:
   current tensor (15.0 for inputs and weights, 224.0 for gradients). Not configurable: a
   different contract would be a new recipe, never a different meaning of this one.
 
-Transformer Engine's names (``transformer_engine.common.recipe``) are spelled here too, so a
-TE user's ``recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3)`` works: ``Format`` in
-this module is TE's element-format enum (``te_npu.Format`` / ``te_npu.formats.Format`` name
-te_npu's two training formats), ``MXFP8BlockScaling`` checks TE's fields and returns the
-equivalent ``MXFP8BlockRecipe``, and TE recipes with no A5 counterpart raise ``ConfigError``
-with the reason when called. ``check_recipe`` is the one type check every entry point
-(``autocast``, ``quantized_model_init``) runs.
+Transformer Engine's recipe classes (``transformer_engine.common.recipe``) are spelled here as
+classes, so TE code ports with its ``isinstance`` checks and kind predicates: every recipe
+derives from ``Recipe``, whose classmethods ``mxfp8()``, ``delayed()``,
+``float8_current_scaling()``, ``float8_per_tensor_scaling()``, ``float8_block_scaling()``,
+``nvfp4()`` and ``custom()`` answer as TE's do (plus te_npu's ``hif8()``).
+``MXFP8BlockScaling`` *is* ``MXFP8BlockRecipe`` (one class, TE's fields first, in TE's order);
+``Format`` in this module is TE's element-format enum (``te_npu.Format`` / ``te_npu.formats.Format``
+name te_npu's two training formats). TE recipes with no A5 counterpart (``DelayedScaling``,
+``Float8CurrentScaling``, ``Float8BlockScaling``, ``NVFP4BlockScaling``, ``CustomRecipe``) are
+classes too (``isinstance`` and their predicates work) whose construction raises ``ConfigError``
+with the reason. ``check_recipe`` is the one type check every entry point (``autocast``,
+``quantized_model_init``) runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from enum import Enum
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
@@ -31,9 +36,9 @@ from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer, Quantizer
 
 __all__ = [
     "QuantizationRole",
+    "Recipe",
     "MXFP8BlockRecipe",
     "HiF8CurrentScalingRecipe",
-    "Recipe",
     "check_recipe",
     "recipe_from_config",
     # Transformer Engine's spellings
@@ -43,28 +48,130 @@ __all__ = [
     "Float8CurrentScaling",
     "Float8BlockScaling",
     "NVFP4BlockScaling",
+    "CustomRecipe",
 ]
 
 _GRADIENT_ROLES = frozenset({QuantizationRole.GRAD_OUTPUT})
 
 
+class Format(str, Enum):
+    """Transformer Engine's element formats (``transformer_engine.common.recipe.Format``).
+
+    Only ``E4M3`` has a te_npu recipe (``MXFP8BlockScaling``); the others are named so that a
+    TE script fails with the reason (see ``MXFP8BlockScaling``) instead of an AttributeError.
+    """
+
+    E2M1 = "E2M1"
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+
+
+class Recipe:
+    """Base of every recipe (TE's ``transformer_engine.common.recipe.Recipe``): what kind it is.
+
+    The predicates are classmethods, as in TE, so they answer on the class and on instances.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        """MXFP8 block scaling (``MXFP8BlockScaling`` / ``MXFP8BlockRecipe``)."""
+        return issubclass(cls, MXFP8BlockRecipe)
+
+    @classmethod
+    def hif8(cls) -> bool:
+        """HiF8 current scaling (te_npu's ``HiF8CurrentScalingRecipe``; TE has no such recipe)."""
+        return issubclass(cls, HiF8CurrentScalingRecipe)
+
+    @classmethod
+    def delayed(cls) -> bool:
+        """TE's delayed scaling (not supported here: ``DelayedScaling`` cannot be built)."""
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        """TE's per-tensor FP8 current scaling (HiF8 current scaling is not this: other format)."""
+        return issubclass(cls, Float8CurrentScaling)
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        """TE's per-tensor FP8 scaling (delayed or current)."""
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        """TE's 1x128 / 128x128 FP8 block scaling."""
+        return issubclass(cls, Float8BlockScaling)
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        """TE's NVFP4 block scaling."""
+        return issubclass(cls, NVFP4BlockScaling)
+
+    @classmethod
+    def custom(cls) -> bool:
+        """TE's custom quantizer-factory recipe."""
+        return issubclass(cls, CustomRecipe)
+
+
+# TE field -> (the only accepted value, why nothing else has a meaning here)
+_MXFP8_TE_FIELDS = {
+    "margin": (0, "MX scales are per 32-element block, E8M0 = floor(log2 amax) - 8; there is no "
+                  "delayed-scaling margin to apply"),
+    "fp8_dpa": (False, "te_npu has no FP8 attention (core attention stays high precision)"),
+    "fp8_mha": (False, "te_npu has no FP8 attention (core attention stays high precision)"),
+    "backward_override": (None, "every backward GEMM runs in the recipe's format; there is no "
+                                "high-precision or dequantized backward mode"),
+    "enable_2d_quantization": (False, "MXFP8 weights are 1x32-blocked along each GEMM's reduction dim; "
+                                      "2D weight blocks are not implemented"),
+}
+
+
 @dataclass(frozen=True)
-class MXFP8BlockRecipe:
+class MXFP8BlockRecipe(Recipe):
     """OCP microscaling FP8: E4M3 elements, an E8M0 scale per ``block_size`` elements.
 
-    ``scale_alg``: ``"floor"`` (``e = floor(log2(amax)) - 8``, the OCP rule and the
-    default) or ``"ceil"`` (smallest power of two >= amax / 448, torch_npu ``scale_alg=1``).
+    Also TE's ``MXFP8BlockScaling``: TE's fields come first, in TE's order (``margin``,
+    ``fp8_format``, ``fp8_dpa``, ``fp8_mha``, ``backward_override``, ``enable_2d_quantization``),
+    and accept only TE's defaults, except ``fp8_format``, which takes ``Format.E4M3`` as TE's
+    enum, this module's or a string (stored as this module's ``Format.E4M3``, equal to
+    ``"E4M3"``); ``HYBRID`` / ``E5M2`` gradients are refused. Any other value raises
+    ``ConfigError`` naming the field and why it has no meaning here.
+
+    te_npu's own fields are keyword-only: ``scale_alg`` is ``"floor"`` (``e = floor(log2(amax)) - 8``,
+    the OCP rule and the default) or ``"ceil"`` (smallest power of two >= amax / 448, torch_npu
+    ``scale_alg=1``); ``block_size`` (32) and ``scale_dtype`` (``"E8M0"``) are fixed.
     Every role shares one stateless quantizer.
     """
 
-    fp8_format: str = "E4M3"
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+    enable_2d_quantization: bool = False
+    _: KW_ONLY
     block_size: int = MX_BLOCK_SIZE
     scale_dtype: str = "E8M0"
     scale_alg: str = "floor"
     format: ClassVar[TrainingFormat] = TrainingFormat.MXFP8_E4M3
 
     def __post_init__(self) -> None:
-        _require(self.fp8_format == "E4M3", "fp8_format", self.fp8_format, ["E4M3"])
+        # te_npu's Format, TE's own Format enum (by member name) or the name as a string
+        given = self.fp8_format
+        name = given.name if isinstance(given, Enum) else given
+        if name != Format.E4M3.name:
+            raise ConfigError(
+                f"MXFP8BlockScaling.fp8_format: {given!r} is not supported; only Format.E4M3: te_npu's MXFP8 "
+                "numerics use E4M3 for inputs, weights and gradients (E5M2 / HYBRID gradients are not implemented)"
+            )
+        object.__setattr__(self, "fp8_format", Format.E4M3)
+        for field, (accepted, reason) in _MXFP8_TE_FIELDS.items():
+            value = getattr(self, field)
+            if value != accepted or type(value) is not type(accepted):
+                raise ConfigError(f"MXFP8BlockScaling.{field}: {value!r} is not supported (only {accepted!r}): {reason}")
         _require(self.block_size == MX_BLOCK_SIZE, "block_size", self.block_size, [MX_BLOCK_SIZE])
         _require(self.scale_dtype == "E8M0", "scale_dtype", self.scale_dtype, ["E8M0"])
         _require(self.scale_alg in ("floor", "ceil"), "scale_alg", self.scale_alg, ["floor", "ceil"])
@@ -79,8 +186,12 @@ class MXFP8BlockRecipe:
         return MappingProxyType({role: shared for role in QuantizationRole})
 
 
+MXFP8BlockScaling = MXFP8BlockRecipe
+"""Transformer Engine's name of :class:`MXFP8BlockRecipe` (the same class)."""
+
+
 @dataclass(frozen=True)
-class HiF8CurrentScalingRecipe:
+class HiF8CurrentScalingRecipe(Recipe):
     """HiFloat8 with current (just-in-time) per-tensor scaling; nothing is configurable.
 
     ``input_max`` / ``weight_max`` = 15.0 and ``grad_max`` = 224.0 are the format maxima the
@@ -105,7 +216,6 @@ class HiF8CurrentScalingRecipe:
         )
 
 
-Recipe = MXFP8BlockRecipe | HiF8CurrentScalingRecipe
 _RECIPE_TYPES = (MXFP8BlockRecipe, HiF8CurrentScalingRecipe)
 
 
@@ -174,82 +284,54 @@ def _require(ok: bool, field: str, value: Any, allowed: list) -> None:
         raise ConfigError(f"MXFP8BlockRecipe.{field}: {value!r} is not supported; allowed values are {allowed}")
 
 
-# ---- Transformer Engine's spellings -------------------------------------------------------------
+# ---- Transformer Engine's recipes with no A5 counterpart ----------------------------------------
 
 
-class Format(str, Enum):
-    """Transformer Engine's element formats (``transformer_engine.common.recipe.Format``).
+class _RefusedRecipe(Recipe):
+    """A TE recipe class that exists for ``isinstance`` and the kind predicates; building one
+    raises ``ConfigError`` with ``_reason``."""
 
-    Only ``E4M3`` has a te_npu recipe (``MXFP8BlockScaling``); the others are named so that a
-    TE script fails with the reason (see ``MXFP8BlockScaling``) instead of an AttributeError.
-    """
+    __slots__ = ()
+    _reason: ClassVar[str]
 
-    E2M1 = "E2M1"
-    E4M3 = "E4M3"
-    E5M2 = "E5M2"
-    HYBRID = "HYBRID"
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError(f"{type(self).__name__} is not supported by te_npu: {self._reason}")
 
 
-# TE field -> (the only accepted value, why nothing else has a meaning here)
-_MXFP8_TE_FIELDS = {
-    "margin": (0, "MX scales are per 32-element block, E8M0 = floor(log2 amax) - 8; there is no "
-                  "delayed-scaling margin to apply"),
-    "fp8_dpa": (False, "te_npu has no FP8 attention (core attention stays high precision)"),
-    "fp8_mha": (False, "te_npu has no FP8 attention (core attention stays high precision)"),
-    "backward_override": (None, "every backward GEMM runs in the recipe's format; there is no "
-                                "high-precision or dequantized backward mode"),
-    "enable_2d_quantization": (False, "MXFP8 weights are 1x32-blocked along each GEMM's reduction dim; "
-                                      "2D weight blocks are not implemented"),
-}
+class DelayedScaling(_RefusedRecipe):
+    """TE's ``DelayedScaling``: not supported (raises ``ConfigError``)."""
+
+    __slots__ = ()
+    _reason = ("delayed scaling (amax history) is not implemented; te_npu's recipes are stateless "
+               "(MXFP8BlockScaling / MXFP8BlockRecipe, HiF8CurrentScalingRecipe)")
 
 
-def MXFP8BlockScaling(  # noqa: N802 -- TE's class name, kept so TE scripts port unchanged
-    margin: int = 0,
-    fp8_format: Format | str = Format.E4M3,
-    fp8_dpa: bool = False,
-    fp8_mha: bool = False,
-    backward_override: str | None = None,
-    enable_2d_quantization: bool = False,
-) -> MXFP8BlockRecipe:
-    """TE's ``MXFP8BlockScaling(...)``: returns the equivalent ``MXFP8BlockRecipe()``.
+class Float8CurrentScaling(_RefusedRecipe):
+    """TE's ``Float8CurrentScaling``: not supported (raises ``ConfigError``)."""
 
-    Arguments are TE's, in TE's order. ``fp8_format`` must be ``Format.E4M3`` (or ``"E4M3"``):
-    te_npu's MXFP8 numerics are E4M3 for every tensor, so ``HYBRID`` (E5M2 gradients) is
-    refused. The other fields accept only TE's defaults; any other value raises ``ConfigError``
-    naming the field and why it has no meaning on A5 here.
-    """
-    # te_npu's Format, TE's own Format enum (by member name) or the name as a string
-    name = fp8_format.name if isinstance(fp8_format, Enum) else fp8_format
-    if name != Format.E4M3.name:
-        raise ConfigError(
-            f"MXFP8BlockScaling.fp8_format: {fp8_format!r} is not supported; only Format.E4M3: te_npu's MXFP8 "
-            "numerics use E4M3 for inputs, weights and gradients (E5M2 / HYBRID gradients are not implemented)"
-        )
-    given = dict(margin=margin, fp8_dpa=fp8_dpa, fp8_mha=fp8_mha, backward_override=backward_override,
-                 enable_2d_quantization=enable_2d_quantization)
-    for field, value in given.items():
-        accepted, reason = _MXFP8_TE_FIELDS[field]
-        if value != accepted or type(value) is not type(accepted):
-            raise ConfigError(f"MXFP8BlockScaling.{field}: {value!r} is not supported (only {accepted!r}): {reason}")
-    return MXFP8BlockRecipe(fp8_format="E4M3")
+    __slots__ = ()
+    _reason = ("per-tensor FP8 (E4M3 / E5M2) scaling is not implemented; the per-tensor current-scaling "
+               "recipe here is HiF8: HiF8CurrentScalingRecipe()")
 
 
-def _refused_recipe(name: str, reason: str):
-    def refuse(*args: Any, **kwargs: Any):
-        raise ConfigError(f"{name} is not supported by te_npu: {reason}")
+class Float8BlockScaling(_RefusedRecipe):
+    """TE's ``Float8BlockScaling``: not supported (raises ``ConfigError``)."""
 
-    refuse.__name__ = refuse.__qualname__ = name
-    refuse.__doc__ = f"TE's ``{name}``: not supported (raises ``ConfigError``): {reason}."
-    return refuse
+    __slots__ = ()
+    _reason = "1x128 / 128x128 FP8 block scaling is not implemented; use MXFP8BlockScaling() (1x32 blocks, E8M0 scales)"
 
 
-DelayedScaling = _refused_recipe(
-    "DelayedScaling", "delayed scaling (amax history) is not implemented; te_npu's recipes are stateless "
-                      "(MXFP8BlockScaling / MXFP8BlockRecipe, HiF8CurrentScalingRecipe)")
-Float8CurrentScaling = _refused_recipe(
-    "Float8CurrentScaling", "per-tensor FP8 (E4M3 / E5M2) scaling is not implemented; the per-tensor "
-                            "current-scaling recipe here is HiF8: HiF8CurrentScalingRecipe()")
-Float8BlockScaling = _refused_recipe(
-    "Float8BlockScaling", "1x128 / 128x128 FP8 block scaling is not implemented; use MXFP8BlockScaling() "
-                          "(1x32 blocks, E8M0 scales)")
-NVFP4BlockScaling = _refused_recipe("NVFP4BlockScaling", "FP4 formats are not implemented")
+class NVFP4BlockScaling(_RefusedRecipe):
+    """TE's ``NVFP4BlockScaling``: not supported (raises ``ConfigError``)."""
+
+    __slots__ = ()
+    _reason = "FP4 formats are not implemented"
+
+
+class CustomRecipe(_RefusedRecipe):
+    """TE's ``CustomRecipe`` (a user quantizer factory): not supported (raises ``ConfigError``)."""
+
+    __slots__ = ()
+    _reason = ("custom quantizer factories are not implemented; te_npu's quantizers come from "
+               "MXFP8BlockRecipe / HiF8CurrentScalingRecipe")
+

@@ -1,11 +1,15 @@
 """Seeded randomness for tests that build TE modules: every value comes from a ``torch.Generator``
 the test owns, never from the global RNG (seeding that from a test leaks into every later test).
 
-``seeded_init(seed)`` is a TE module ``init_method`` that draws each weight from the module's own
-default distribution -- Kaiming-uniform ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for ``TELinear``
-(``nn.Linear``'s) and ``TEGroupedLinear`` (per expert), ``N(0, 0.02)`` for
-``TEGroupedSwiGLUExperts`` (``std=0.02``) -- so a test's weights are as they were with the default
-init, only reproducible without ``torch.manual_seed``.
+``seeded_init(seed)`` is a TE module ``init_method`` that draws each weight (each expert's
+``[out, in]`` weight for ``TEGroupedLinear``) from ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` (the
+TE modules' default before they took TE's ``normal_(0, 0.023)``), or ``N(0, std)`` with ``std``
+(``TEGroupedSwiGLUExperts``' default is 0.02), reproducibly without ``torch.manual_seed``.
+
+Tests whose cases were built on the TE modules' former defaults (bf16 parameters, no bias,
+Kaiming-uniform weights from the global RNG) pass them explicitly: ``BF16_NO_BIAS`` and
+``nn_linear_init`` (``TELinear``'s) / ``fan_in_uniform_init`` (``TEGroupedLinear``'s, per expert);
+their draws are the former defaults' bit for bit.
 """
 from __future__ import annotations
 
@@ -13,6 +17,21 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+BF16_NO_BIAS = {"bias": False, "params_dtype": torch.bfloat16}
+"""``TELinear`` / ``TEGroupedLinear`` keywords giving the choices they once defaulted to."""
+
+
+def nn_linear_init(weight: torch.Tensor) -> None:
+    """``nn.Linear``'s weight init (Kaiming-uniform, a = sqrt(5)) from the global RNG."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def fan_in_uniform_init(weight: torch.Tensor) -> None:
+    """``U(-1/sqrt(in), 1/sqrt(in))`` from the global RNG (an expert's ``[out, in]`` weight)."""
+    bound = 1.0 / math.sqrt(weight.shape[-1])
+    nn.init.uniform_(weight, -bound, bound)
 
 
 def seeded_init(seed: int, *, std: float | None = None) -> Callable[[torch.Tensor], None]:

@@ -18,6 +18,9 @@ import contextlib
 
 import torch
 
+from te_npu.errors import LowPrecisionUnavailableError
+from te_npu.ops.checks import OUTPUT_DTYPES as LOW_PRECISION_OUTPUT_DTYPES
+
 __all__ = ["activation_dtype", "torch_autocast_off"]
 
 
@@ -28,10 +31,25 @@ def _autocast_enabled(device_type: str) -> bool:
         return False
 
 
-def activation_dtype(x: torch.Tensor) -> torch.dtype:
-    """``torch.autocast``'s dtype for ``x``'s device when it is on, else ``x.dtype``."""
+def activation_dtype(x: torch.Tensor, name: str | None = None, *, low_precision: bool = False) -> torch.dtype:
+    """``torch.autocast``'s dtype for ``x``'s device when it is on, else ``x.dtype``.
+
+    Checked for the module ``name``: an input that is not floating point raises ``TypeError``
+    (casting it would silently truncate the weight to integers); ``low_precision``: an 8-bit
+    GEMM returns float32, bfloat16 or float16 only, so a float64 activation there raises
+    ``LowPrecisionUnavailableError`` (the plain path computes in float64).
+    """
+    where = name or "TE module"
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{where}: input dtype {x.dtype} (shape {list(x.shape)}) is not a floating-point type; "
+                        "TE modules take float32, bfloat16 or float16 activations")
     device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if _autocast_enabled(device_type) else x.dtype
+    dtype = torch.get_autocast_dtype(device_type) if _autocast_enabled(device_type) else x.dtype
+    if low_precision and dtype not in LOW_PRECISION_OUTPUT_DTYPES:
+        raise LowPrecisionUnavailableError(
+            f"{where}: an 8-bit GEMM returns {', '.join(str(d) for d in LOW_PRECISION_OUTPUT_DTYPES)}, not the "
+            f"activation dtype {dtype} of the input {list(x.shape)}; cast the input, or run outside te_npu.autocast")
+    return dtype
 
 
 def torch_autocast_off(device_type: str):

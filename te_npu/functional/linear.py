@@ -40,6 +40,8 @@ from te_npu.functional.operands import (
     unavailable,
 )
 from te_npu.functional.dtypes import torch_autocast_off
+from te_npu.functional.main_grad import MainGradWrite, require_main_grad, write_main_grad
+from te_npu.functional.no_tokens import no_tokens
 from te_npu.functional.weight_cache import WeightCache, WeightOperands, col_operand, weight_operands
 from te_npu.ops import low_precision_matmul
 from te_npu.quantizers import Quantizer
@@ -74,7 +76,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 w_ops: WeightOperands, numerics: GemmNumerics, context: GemmContext,
-                grad_enabled: bool) -> torch.Tensor:
+                grad_enabled: bool, main_grad: MainGradWrite | None) -> torch.Tensor:
         # needs_input_grad ignores no_grad mode; nothing is saved when no backward can run
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
@@ -86,6 +88,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.x_dtype, ctx.weight_dtype = x_MK.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.device_type = x_MK.device.type
+        ctx.main_grad, ctx.main_grad_weight = main_grad, weight if main_grad is not None and need_dw else None
         return y_MN
 
     @staticmethod
@@ -102,9 +105,12 @@ class _LinearFunction(torch.autograd.Function):
         dy_row, dy_col = quantize_pair(ctx.numerics, ctx.context, dy_MN, Role.GRAD_OUTPUT, Role.GRAD_OUTPUT,
                                        need_row=need_dx, need_col=need_dw)
         dx_MK = _dgrad(dy_row, w_col, ctx.x_dtype) if need_dx else None
-        dw_NK = _wgrad(dy_col, x_col, ctx.weight_dtype) if need_dw else None
+        if need_dw and ctx.main_grad is not None:  # TE's fuse_wgrad_accumulation: FP32 wgrad into main_grad
+            dw_NK = write_main_grad(ctx.main_grad_weight, _wgrad(dy_col, x_col, torch.float32), ctx.main_grad)
+        else:
+            dw_NK = _wgrad(dy_col, x_col, ctx.weight_dtype) if need_dw else None
         db_N = dy_MN.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_db else None
-        return dx_MK, dw_NK, db_N, None, None, None, None
+        return dx_MK, dw_NK, db_N, None, None, None, None, None
 
 
 def _check_shapes(numerics: GemmNumerics, context: GemmContext, x_shape, weight_shape, need_wgrad: bool) -> None:
@@ -135,6 +141,7 @@ def linear(
     weight_cache: WeightCache | None = None,
     is_first_microbatch: bool | None = None,
     name: str | None = None,
+    main_grad: MainGradWrite | None = None,
 ) -> torch.Tensor:
     """``y = x @ weight.T + bias`` with fprop, dgrad and wgrad in ``recipe``'s format.
 
@@ -150,6 +157,8 @@ def linear(
             ``weight_cache``, ``False`` reuses what it holds (``te_npu.functional.weight_cache``).
         name: the module FQN, used in error messages and in the ``te_npu.events.OperandEvent`` s
             of every operand quantized for this call.
+        main_grad: TE's ``fuse_wgrad_accumulation``: the wgrad GEMM's FP32 product goes into
+            ``weight.main_grad`` this way (``te_npu.functional.main_grad``), not into a gradient.
     Returns:
         ``[..., N]`` in ``x.dtype``; ``torch.autocast`` does not reach the emulated GEMMs.
     Raises:
@@ -161,10 +170,14 @@ def linear(
     context = GemmContext(name or f"linear(weight [{n}, {k}])")
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
     _check_shapes(numerics, context, tuple(x.shape), (n, k), need_wgrad)
+    if main_grad is not None and need_wgrad:
+        require_main_grad(weight, context.name)
+    if x.numel() == 0:  # no token rows: an empty output, zero wgrad, no GEMM
+        return no_tokens(x.reshape(0, k), weight, bias, main_grad).reshape(*x.shape[:-1], n)
     with torch_autocast_off(x.device.type):
         w_ops = weight_operands(weight, numerics, weight_cache, context, is_first_microbatch)
         y_MN = _LinearFunction.apply(x.reshape(-1, k), weight, bias, w_ops, numerics, context,
-                                     torch.is_grad_enabled())
+                                     torch.is_grad_enabled(), main_grad)
     if x.dim() == 2:
         return y_MN
     # Like F.linear / matmul: y_MN is a fresh tensor nobody else holds, so hand out its

@@ -7,6 +7,7 @@ reduction dim), ``N`` output features, ``G`` groups (experts), ``T`` rows of a g
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Sequence
@@ -154,12 +155,22 @@ def group_list_tensor(m_splits: Sequence[int] | torch.Tensor, num_groups: int, n
     """int64 ``[G]`` row counts on ``device`` with their host mirror (``te_npu.ops.group_sizes``),
     checked against G and T on the host. A list costs no host sync; a tensor costs one read
     (none if it already carries a mirror), and every later GEMM and ragged layout reads the
-    mirror."""
+    mirror. Sizes must be integers (a float is refused, never truncated); a meta tensor holds
+    no sizes to read and is refused."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1:
             raise ValueError(f"m_splits must hold {num_groups} group sizes, got shape {tuple(m_splits.shape)}")
+        if m_splits.dtype.is_floating_point or m_splits.dtype.is_complex or m_splits.dtype == torch.bool:
+            raise TypeError(f"m_splits must hold integer group sizes, got a {m_splits.dtype} tensor")
+        if m_splits.is_meta:
+            raise ValueError("m_splits is a meta tensor: it holds no group sizes to read; pass a list of ints or a "
+                             "tensor on a real device (the meta device runs only the plain path, for shapes)")
         sizes = host_group_sizes(m_splits)
     else:
+        bad = [s for s in m_splits if not isinstance(s, numbers.Integral)]
+        if bad:
+            raise TypeError(f"m_splits must hold integer group sizes, got {bad[0]!r} ({type(bad[0]).__name__}) "
+                            f"in {list(m_splits)}")
         sizes = tuple(int(s) for s in m_splits)
     if len(sizes) != num_groups:
         raise ValueError(f"m_splits must hold {num_groups} group sizes, got {len(sizes)}")

@@ -36,7 +36,6 @@ references). It is a plain attribute, never a buffer, so it is not part of ``sta
 """
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -78,12 +77,18 @@ def _cache_key(weight: torch.Tensor, numerics: GemmNumerics) -> tuple:
 
 
 class WeightCache:
-    """The operands of one high-precision weight kept between ``is_first_microbatch`` calls."""
+    """The operands of one high-precision weight kept between ``is_first_microbatch`` calls.
+
+    It holds the weight it was filled from (a plain reference, not a weakref: a weakref on a
+    parameter makes ``torch.utils.swap_tensors``, hence ``module.to`` and ``load_state_dict``
+    with swapping, refuse it; a Python reference does not count as a use of its storage), so
+    "another tensor object" is an identity test that cannot be fooled by a recycled ``id``.
+    """
 
     __slots__ = ("_weight", "_key", "_operands", "fills")
 
     def __init__(self) -> None:
-        self._weight: weakref.ref | None = None
+        self._weight: torch.Tensor | None = None
         self._key: tuple | None = None
         self._operands: WeightOperands | None = None
         self.fills = 0  # how many times operands were quantized into the cache (observability)
@@ -100,12 +105,12 @@ class WeightCache:
             return self._operands
         self.clear()  # drop the old copy first: never two alive because of the cache
         self._operands = _quantize(weight, numerics, context)
-        self._weight, self._key = weakref.ref(weight), _cache_key(weight, numerics)
+        self._weight, self._key = weight, _cache_key(weight, numerics)
         self.fills += 1
         return self._operands
 
     def _valid_for(self, weight: torch.Tensor, numerics: GemmNumerics) -> bool:
-        return (self._operands is not None and self._weight is not None and self._weight() is weight
+        return (self._operands is not None and self._weight is weight
                 and self._key == _cache_key(weight, numerics))
 
     def clear(self) -> None:

@@ -15,17 +15,24 @@ module state in PyTorch's sense: quantizers, caches and ``fqn`` are plain attrib
 - which recipe a forward runs in, also when activation recompute replays it inside backward:
   ``te_npu.modules.forward_recipe``.
 - compute dtype: TE's activation dtype (``te_npu.functional.dtypes``).
+- construction follows TE's ``reset_parameters``: ``params_dtype`` defaults to
+  ``torch.get_default_dtype()``, ``init_method`` (default ``normal_(0, 0.023)``) runs on each
+  weight TE holds as a parameter, inside the RNG tracker's fork when one is given; biases are
+  zero. TE's ``_extra_state`` state-dict entry is accepted and dropped on load.
+- ``fuse_wgrad_accumulation``: the wgrad goes into ``weight.main_grad`` (``te_npu.functional.main_grad``).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from te_npu.autocast import get_quantized_init_state
 from te_npu.formats import QuantizationRole
+from te_npu.functional.main_grad import MainGradWrite
 from te_npu.functional.weight_cache import WeightCache, high_precision_weight
 from te_npu.modules.forward_recipe import ForwardRecipes
 from te_npu.ops import require_low_precision
@@ -33,7 +40,11 @@ from te_npu.quantizers import Quantizer
 from te_npu.recipe import Recipe
 from te_npu.tensor import QuantizedWeightTensor, attach_high_precision_init_val, empty_quantized_weight, quantize_weight
 
-__all__ = ["TEModule", "assign_fqns"]
+__all__ = ["TEModule", "assign_fqns", "TE_DEFAULT_INIT_STD"]
+
+TE_DEFAULT_INIT_STD = 0.023
+"""TE's default weight init is ``normal_(0, 0.023)`` (``transformer_engine/pytorch/utils.py``,
+``get_default_init_method``)."""
 
 
 class TEModule(nn.Module):
@@ -48,6 +59,7 @@ class TEModule(nn.Module):
         self._forward_recipes = ForwardRecipes()
         self._quantizers: Mapping[QuantizationRole, Quantizer] | None = None
         self._weight_caches = {name: WeightCache() for name in self._weight_names}
+        self.fuse_wgrad_accumulation = False  # TE's option; TELinear / TEGroupedLinear take it
 
     # ---- which recipe this forward runs in --------------------------------------------------
     def forward_recipe(self) -> Recipe | None:
@@ -89,6 +101,13 @@ class TEModule(nn.Module):
         return dict(recipe=recipe, quantizers=self.quantizers_for(recipe), name=self.te_name,
                     weight_cache=self._weight_caches[weight_name], is_first_microbatch=is_first_microbatch)
 
+    def _main_grad_write(self, name: str, is_first_microbatch: bool | None) -> MainGradWrite | None:
+        """How this forward's wgrad reaches ``<name>.main_grad`` under TE's ``fuse_wgrad_accumulation``
+        (None: an ordinary gradient, or no wgrad at all)."""
+        if not (self.fuse_wgrad_accumulation and torch.is_grad_enabled() and getattr(self, name).requires_grad):
+            return None
+        return MainGradWrite.for_call(is_first_microbatch)
+
     def _plain_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A weight for the plain path in the activation ``dtype`` (a quantized weight dequantized;
         autograd-tracked, so the gradient reaches the parameter in its own dtype)."""
@@ -127,35 +146,68 @@ class TEModule(nn.Module):
         self,
         shapes: Mapping[str, tuple[int, ...] | None],
         *,
-        params_dtype: torch.dtype,
+        params_dtype: torch.dtype | None,
         device: torch.device | str | None,
         init_method: Callable[[torch.Tensor], None] | None,
+        get_rng_state_tracker: Callable[[], Any] | None = None,
+        rng_tracker_name: str | None = None,
     ) -> None:
         """The constructor body every TE module shares: register ``shapes`` (name -> shape, in
         this order; None leaves that attribute None, e.g. an absent bias) as ``params_dtype``
-        parameters on ``device``, initialise them (:meth:`reset_parameters`), then quantize them
-        when built inside ``quantized_model_init``."""
+        parameters (TE's default: ``torch.get_default_dtype()``) on ``device``, initialise them
+        (:meth:`reset_parameters`), then quantize them when built inside ``quantized_model_init``."""
         self.init_method = init_method
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
         for name, shape in shapes.items():
-            value = None if shape is None else nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
+            value = None if shape is None else nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
             setattr(self, name, value)
         self.reset_parameters()
         self._finish_init()
 
     def reset_parameters(self) -> None:
         """Initialise each GEMM weight (``_weight_names``, in order) with ``init_method``, else the
-        module's default (:meth:`_default_init`), and a bias to zero; a meta module is left alone."""
+        module's default (:meth:`_default_init`), and a bias to zero; a meta module is left alone.
+
+        As TE: ``init_method`` gets each weight TE holds as its own parameter (``TEGroupedLinear``:
+        every ``weight[g]`` ``[out, in]``, TE's ``weight{g}``, in order), under ``torch.no_grad``
+        and inside ``get_rng_state_tracker().fork(rng_tracker_name)`` when a tracker is given.
+        A quantized weight is initialised in high precision and re-quantized."""
         if self._device().type == "meta":
             return
+        init = self.init_method or self._default_init
         for name in self._weight_names:
-            (self.init_method or self._default_init)(getattr(self, name))
+            weight = getattr(self, name)
+            values = weight.dequantize() if isinstance(weight, QuantizedWeightTensor) else weight
+            with torch.no_grad():
+                for unit in self._init_units(values):
+                    with self._rng_fork():
+                        init(unit)
+                if values is not weight:
+                    weight.copy_(values)
+        with torch.no_grad():
+            for bias in self._bias_parameters():
+                nn.init.zeros_(bias)
+
+    def _init_units(self, weight: torch.Tensor) -> Sequence[torch.Tensor]:
+        """The tensors ``init_method`` is called on for one GEMM weight (default: the weight)."""
+        return (weight,)
+
+    def _bias_parameters(self) -> list[torch.Tensor]:
         bias = getattr(self, "bias", None)
-        if bias is not None:
-            nn.init.zeros_(bias)
+        return [] if bias is None else [bias]
+
+    def _rng_fork(self):
+        """TE's ``get_rng_state_tracker().fork(rng_tracker_name)`` around each weight init, if given."""
+        if self.get_rng_state_tracker is None:
+            return contextlib.nullcontext()
+        tracker = self.get_rng_state_tracker()
+        return tracker.fork(self.rng_tracker_name) if self.rng_tracker_name else tracker.fork()
 
     def _default_init(self, weight: torch.Tensor) -> None:
-        """Initialise one GEMM weight in place when no ``init_method`` is given."""
-        raise NotImplementedError(f"{type(self).__name__} defines no default weight init")
+        """TE's default weight init, ``init.normal_(mean=0.0, std=0.023)``
+        (``transformer_engine.pytorch.utils.get_default_init_method``)."""
+        nn.init.normal_(weight, mean=0.0, std=TE_DEFAULT_INIT_STD)
 
     def _finish_init(self) -> None:
         """Constructor tail: quantize the weights when built inside ``quantized_model_init``.
@@ -174,6 +226,20 @@ class TEModule(nn.Module):
                 "materialize and initialise it, then call te_npu.quantize_weights_(model, recipe)"
             )
         self._quantize_weights_(recipe, state.preserve_high_precision_init_val)
+
+    # ---- TE's state dicts ----------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """Also load a Transformer Engine module's state dict (:meth:`_accept_te_keys`)."""
+        self._accept_te_keys(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _accept_te_keys(self, state_dict: dict, prefix: str) -> None:
+        """Rewrite TE's keys under ``prefix`` into this module's, in place. TE modules save an
+        ``_extra_state`` entry (their FP8 scaling metadata; an empty tensor for stateless
+        recipes): te_npu's recipes keep no state, so it is dropped."""
+        state_dict.pop(prefix + "_extra_state", None)
 
     def __getstate__(self) -> dict:
         """``copy.deepcopy`` / pickle: parameters and configuration only; the derived metadata

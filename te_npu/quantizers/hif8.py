@@ -37,9 +37,18 @@ class HiF8Quantizer:
         orientation: Orientation,
         group_list: torch.Tensor | None = None,
     ) -> QuantizedOperand:
-        """Quantize ``tensor``; ``group_list`` is accepted and ignored (one scale per 2D operand)."""
+        """Quantize ``tensor``; ``group_list`` is accepted and ignored (one scale per 2D operand).
+
+        An empty tensor (a micro-batch with 0 tokens) has amax 0, hence scale 1.0 (the format's
+        rule for a zero amax) and no codes; it takes the given-scale route, since an amax
+        reduction over no element is undefined for the kernels and for torch."""
         if orientation not in ("row", "col"):
             raise ValueError(f"orientation must be 'row' or 'col', got {orientation!r}")
+        if tensor.numel() == 0:
+            groups = [tensor.shape[0]] if spec(self.format).scale_groups(tensor.dim()) else []
+            scale = torch.ones(groups, dtype=torch.float32, device=tensor.device)
+            return ops.quantize_hif8_with_scale(tensor, scale, orientation=orientation, amax=torch.zeros_like(scale),
+                                                format_max=self.format_max)
         return ops.quantize_hif8(tensor, self.format_max, orientation=orientation)
 
     def quantize_with_scale(self, tensor: torch.Tensor, scale: torch.Tensor,

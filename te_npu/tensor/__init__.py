@@ -5,6 +5,7 @@ from te_npu.tensor.weight_ops import QuantizedWeightUpdateWarning  # registers t
 from te_npu.tensor.mxfp8_tensor import MXFP8Tensor
 from te_npu.tensor.hif8_tensor import HiF8Tensor
 from te_npu.tensor.factory import WEIGHT_TENSOR_BY_FORMAT, empty_quantized_weight, quantize_weight, weight_class
+from te_npu.tensor.plain_state_dict import from_plain_state_dict, to_plain_state_dict
 
 __all__ = [
     "QuantizedOperand",
@@ -18,4 +19,6 @@ __all__ = [
     "quantize_weight",
     "empty_quantized_weight",
     "weight_class",
+    "to_plain_state_dict",
+    "from_plain_state_dict",
 ]

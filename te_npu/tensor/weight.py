@@ -313,6 +313,32 @@ class QuantizedWeightTensor(torch.Tensor):
 
     __torch_function__ = disabled_torch_function_impl
 
+    # ``param.data = t`` (``nn.utils.vector_to_parameters``, EMA swaps through ``.data``): as TE's
+    # float8 tensors do, the weight takes ``t``'s values in its own format instead of silently
+    # keeping its payload. Reading ``.data`` is torch's detached alias, as for any tensor.
+    def _get_data(self) -> "QuantizedWeightTensor":
+        return torch.Tensor.data.__get__(self)
+
+    def _set_data(self, value: torch.Tensor) -> None:
+        """Re-point this weight at ``value``: a weight of this class is aliased (its payload and
+        quantizer, as TE does); a high-precision tensor (or a weight of another format, through its
+        values) is quantized with this weight's quantizer. The logical shape, dtype and device
+        follow ``value`` as they would for a plain tensor; ``requires_grad`` stays (PyTorch's
+        rule for ``param.data =``)."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}.data must be set to a tensor, got {type(value).__name__}")
+        if type(value) is not type(self):
+            if isinstance(value, QuantizedWeightTensor):
+                value = value.dequantize()
+            value = type(self).from_high_precision(value.detach(), self._quantizer)
+        if (value.shape, value.dtype, value.device) != (self.shape, self.dtype, self.device):
+            torch.Tensor.data.__set__(self, value.detach())  # the wrapper's metadata only
+        for name in self._inner_fields:
+            setattr(self, name, getattr(value, name))
+        self._quantizer = value._quantizer
+
+    data = property(_get_data, _set_data)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         handler = next((k.__dict__["_handlers"][func] for k in cls.__mro__ if func in k.__dict__.get("_handlers", ())), None)

@@ -10,11 +10,15 @@ kind            what runs                                                       
 ==============  ==================================================================  ===========
 read            the op on the logical values (``dequantize()``); high-precision     ``w.norm()``, ``w.abs().max()``, SGD weight decay (``grad + wd * w``)
                 result
-update          dequantize, apply the op, re-quantize in place; warns once          ``torch.optim`` (AdamW, SGD, RMSprop, Adagrad, foreach too)
+update          dequantize, apply the op, re-quantize in place; warns once          ``torch.optim`` (AdamW, SGD, RMSprop, Adagrad, foreach and fused too)
                 (``QuantizedWeightUpdateWarning``)
 re-initialise   the same, without the warning                                        ``nn.init.*_`` on ``param.data``, ``fill_``
 new-like        a plain high-precision tensor of the logical shape / dtype          optimizer state (``torch.zeros_like(param)``)
 convert         ``.to(dtype)`` / ``.float()`` / ``.bfloat16()``: ``dequantize(dtype)``    users, ``module.to(dtype)``
+copy            ``_foreach_copy_``: each pair as ``copy_`` (re-quantize / same-class  optimizers' ``foreach`` state copies,
+                payload copy / dequantize into a plain tensor)                       checkpoint loaders
+broadcast       ``c10d.broadcast_``: every inner tensor broadcast from the root, so  ``dist.broadcast(param, src)`` (DDP's
+                every rank holds the root's payload bit for bit                      initial sync, user code)
 ==============  ==================================================================  ===========
 
 Re-quantizing after every update loses updates smaller than half an 8-bit step (and MXFP8's
@@ -76,6 +80,9 @@ _UPDATES = (
     aten._foreach_addcdiv_.Scalar, aten._foreach_addcdiv_.ScalarList, aten._foreach_addcdiv_.Tensor,
     aten._foreach_addcmul_.Scalar, aten._foreach_addcmul_.ScalarList, aten._foreach_addcmul_.Tensor,
     aten._foreach_lerp_.Scalar, aten._foreach_lerp_.List,
+    # torch.optim(..., fused=True): the fused kernels update params (args[0]) and plain state in place
+    aten._fused_adam_.default, aten._fused_adam_.tensor_lr, aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr,
+    aten._fused_sgd_.default, aten._fused_sgd_.tensor_lr,
 )
 _REINITIALISATIONS = (aten.fill_.Scalar, aten.fill_.Tensor, aten.normal_.default, aten.uniform_.default)
 _NEW_LIKE = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
@@ -135,3 +142,30 @@ def _new_like(func, args, kwargs):
     kwargs = {"dtype": self.dtype, "device": self.device, **{k: v for k, v in kwargs.items() if v is not None}}
     kwargs.pop("memory_format", None)
     return func(torch.empty(self.shape, dtype=self.dtype, device=self.device), *rest, **kwargs)
+
+
+@implements(_table, aten._foreach_copy_.default)
+def _foreach_copy(func, args, kwargs):
+    # torch._foreach_copy_(dsts, srcs): each pair through copy_ (the quantized rules above).
+    call = {**dict(zip(("self", "src", "non_blocking"), args)), **kwargs}
+    for dst, src in zip(call["self"], call["src"], strict=True):
+        dst.copy_(src, non_blocking=call.get("non_blocking", False))
+
+
+@implements(_table, torch.ops.c10d.broadcast_.default)
+def _broadcast(func, args, kwargs):
+    # dist.broadcast(param, src): broadcast each inner tensor (one call each, waited), so every
+    # rank ends with the root's 8-bit payload; an async caller gets an already completed work.
+    # FP8 payloads travel as their bytes (uint8 views): gloo has no float8 dtypes.
+    tensors, rest = list(args[0]), args[1:]
+    work = None
+    for tensor in tensors:
+        inners = [getattr(tensor, n) for n in tensor.inner_field_names()] if isinstance(
+            tensor, QuantizedWeightTensor) else [tensor]
+        for inner in inners:
+            if inner.element_size() == 1 and inner.dtype != torch.uint8:
+                inner = inner.view(torch.uint8)
+            _, work = func([inner], *rest, **kwargs)
+            work.wait()
+    return tensors, work
+

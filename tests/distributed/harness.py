@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import te_npu
+from tests.seeded import BF16_NO_BIAS, fan_in_uniform_init, nn_linear_init
 
 HIDDEN, FFN, EXPERTS, TOKENS = 64, 128, 2, 64
 M_SPLITS = [40, 24]
@@ -64,8 +65,8 @@ class ToyModel(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.norm = nn.Parameter(torch.ones(HIDDEN, dtype=torch.bfloat16))
-        self.up = te_npu.TELinear(HIDDEN, FFN)
-        self.mix = te_npu.TEGroupedLinear(EXPERTS, FFN, HIDDEN)
+        self.up = te_npu.TELinear(HIDDEN, FFN, init_method=nn_linear_init, **BF16_NO_BIAS)
+        self.mix = te_npu.TEGroupedLinear(EXPERTS, FFN, HIDDEN, init_method=fan_in_uniform_init, **BF16_NO_BIAS)
         self.moe = te_npu.TEGroupedSwiGLUExperts(EXPERTS, HIDDEN, HIDDEN)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from te_npu.distributed import finalize_low_precision_weights, layer_units, shar
 from te_npu.events import FSDPGatherEvent, subscribe
 from te_npu.training.recompute import apply_activation_checkpointing
 from tests.distributed.harness import EXPERTS, FFN, HIDDEN, M_SPLITS, RECIPES, TOKENS, local, run_ranks
+from tests.seeded import BF16_NO_BIAS, fan_in_uniform_init, nn_linear_init
 
 MX_ROW = ("row_data", "row_scale")
 MX_BOTH = ("row_data", "row_scale", "col_data", "col_scale")
@@ -36,10 +37,10 @@ class Block(nn.Module):
     def __init__(self, side: bool) -> None:
         super().__init__()
         self.norm = nn.Parameter(torch.ones(HIDDEN, dtype=torch.bfloat16))
-        self.up = te_npu.TELinear(HIDDEN, FFN)
-        self.mix = te_npu.TEGroupedLinear(EXPERTS, FFN, HIDDEN)
+        self.up = te_npu.TELinear(HIDDEN, FFN, init_method=nn_linear_init, **BF16_NO_BIAS)
+        self.mix = te_npu.TEGroupedLinear(EXPERTS, FFN, HIDDEN, init_method=fan_in_uniform_init, **BF16_NO_BIAS)
         self.experts = te_npu.TEGroupedSwiGLUExperts(EXPERTS, HIDDEN, HIDDEN)
-        self.side = te_npu.TELinear(HIDDEN, 32) if side else None
+        self.side = te_npu.TELinear(HIDDEN, 32, init_method=nn_linear_init, **BF16_NO_BIAS) if side else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.experts(self.mix(self.up(x * self.norm), M_SPLITS), M_SPLITS)

@@ -13,6 +13,7 @@ from te_npu.distributed import MasterWeightOptimizer, shard_model
 from te_npu.events import OptimizerStepEvent, WeightRefreshEvent, subscribe
 from te_npu.tensor import HiF8Tensor, MXFP8Tensor, QuantizedWeightTensor
 from tests.distributed.harness import RECIPES, batch, build, local, loss_of, run_ranks
+from tests.seeded import BF16_NO_BIAS, fan_in_uniform_init, nn_linear_init
 
 QUANTIZED = ["up.weight", "mix.weight", "moe.gate_up_proj", "moe.down_proj"]
 
@@ -145,8 +146,9 @@ def test_weight_decay_shrinks_matrices_but_not_norms_or_biases():
 class _FourWeights(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.c = te_npu.TELinear(64, 64), te_npu.TELinear(64, 128), te_npu.TELinear(128, 64)
-        self.experts = te_npu.TEGroupedLinear(2, 64, 64)
+        linear = dict(init_method=nn_linear_init, **BF16_NO_BIAS)
+        self.a, self.b, self.c = te_npu.TELinear(64, 64, **linear), te_npu.TELinear(64, 128, **linear), te_npu.TELinear(128, 64, **linear)
+        self.experts = te_npu.TEGroupedLinear(2, 64, 64, init_method=fan_in_uniform_init, **BF16_NO_BIAS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # FSDP2 needs one; this test never runs it
         return self.experts(self.c(self.b(self.a(x))), [x.shape[0], 0])

@@ -14,6 +14,7 @@ from te_npu.distributed import plan_shards, shard_model, validate_parallel_confi
 from te_npu.distributed.fsdp import _GatherMetadata, FSDPGatherContext
 from te_npu.tensor import quantize_weight
 from tests.distributed.harness import local, run_ranks
+from tests.seeded import BF16_NO_BIAS, nn_linear_init
 
 
 def _param(shape, fmt):
@@ -91,8 +92,8 @@ def test_post_all_gather_validates_count_shape_dtype_and_hif8_scale_agreement():
 class _FallbackModel(nn.Module):
     def __init__(self):
         super().__init__()
-        self.small = te_npu.TELinear(64, 64)  # MXFP8 N_local = 32: kept replicated
-        self.big = te_npu.TELinear(64, 128)
+        self.small = te_npu.TELinear(64, 64, init_method=nn_linear_init, **BF16_NO_BIAS)  # MXFP8 N_local = 32: kept replicated
+        self.big = te_npu.TELinear(64, 128, init_method=nn_linear_init, **BF16_NO_BIAS)
 
     def forward(self, x):
         return self.big(self.small(x))

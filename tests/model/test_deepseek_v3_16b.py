@@ -38,7 +38,7 @@ def test_deepseek_v3_16b_changed_field_fails_naming_it(field, value):
 def test_deepseek_v3_16b_structural_mismatch_names_parameter():
     model = _meta_model(DSV3_16B)
     with torch.device("meta"):
-        model.model.layers[3].self_attn.o_proj = te_npu.TELinear(2048, 1024, params_dtype=torch.bfloat16)
+        model.model.layers[3].self_attn.o_proj = te_npu.TELinear(2048, 1024, params_dtype=torch.bfloat16, bias=False)
     with pytest.raises(te_npu.ConfigError, match=r"model\.layers\.3\.self_attn\.o_proj\.weight"):
         validate_16b(model)
     model = _meta_model(DSV3_16B)

@@ -114,3 +114,29 @@ def test_fp8_autocast_takes_te_positional_order_and_refuses_calibration():
     with pytest.raises(te_npu.ConfigError, match="_graph"):
         te_npu.fp8_autocast(_graph=True)
     assert te_npu.fp8_model_init is te_npu.quantized_model_init
+
+
+# ---- issue 20: TE's positional order autocast(enabled, calibrating, recipe, amax_reduction_group, _graph)
+
+def test_autocast_takes_te_positional_order():
+    group = object()
+    with te_npu.autocast(True, False, HiF8CurrentScalingRecipe(), group, False):
+        assert te_npu.get_autocast_recipe() == HiF8CurrentScalingRecipe()
+        assert get_autocast_state().amax_reduction_group is group
+    with pytest.raises(te_npu.ConfigError, match="_graph"):
+        te_npu.autocast(True, False, None, None, True)
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda r: te_npu.autocast(r), id="recipe-as-enabled"),
+    pytest.param(lambda r: te_npu.autocast(True, r), id="recipe-as-calibrating"),
+    pytest.param(lambda r: te_npu.fp8_autocast(True, r), id="fp8_autocast-recipe-as-calibrating"),
+    pytest.param(lambda r: te_npu.quantized_model_init(r), id="quantized_model_init-recipe-as-enabled"),
+])
+def test_autocast_refuses_a_recipe_in_a_flag_position(call):
+    """te_npu's former order put the recipe second; in TE's order it would land in a flag and
+    silently run the default recipe: refused, naming TE's order."""
+    with pytest.raises(TypeError, match=r"must be a bool, got HiF8CurrentScalingRecipe; the positional order is "
+                                        r"Transformer Engine's \(enabled, "):
+        call(HiF8CurrentScalingRecipe())
+    assert not te_npu.is_autocast_enabled() and get_quantized_init_recipe() is None

@@ -70,7 +70,7 @@ def test_unobserved_work_builds_no_event(monkeypatch):
 
     for name in ("QuantEvent", "OperandEvent", "GemmEvent"):
         monkeypatch.setattr(events, name, type(name, (), {"__init__": refuse}))
-    layer = te_npu.TELinear(64, 96, init_method=seeded_init(0))
+    layer = te_npu.TELinear(64, 96, init_method=seeded_init(0), bias=False, params_dtype=torch.bfloat16)
     x = seeded_randn(1)(32, 64, requires_grad=True)
 
     def step():

@@ -102,7 +102,7 @@ def test_disabled_low_precision_never_imports_torch_npu():
     code = (
         "import sys, te_npu, torch\n"
         "assert te_npu.recipe_from_config({'enabled': False}) is None\n"
-        "m = te_npu.TELinear(64, 64)\n"
+        "m = te_npu.TELinear(64, 64, bias=False, params_dtype=torch.bfloat16)\n"
         "with te_npu.autocast(enabled=False):\n"
         "    m(torch.randn(2, 64, dtype=torch.bfloat16)).sum().backward()\n"
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported'\n"
@@ -164,3 +164,52 @@ def test_te_recipes_without_a5_counterpart_raise_with_reason(name, reason):
 
     with pytest.raises(ConfigError, match=rf"{name} is not supported by te_npu: .*{reason}"):
         getattr(recipe, name)(fp8_format=recipe.Format.HYBRID)
+
+
+# ---- issue 20: TE's recipe classes (isinstance, kind predicates, fields) -------------------------
+
+def test_te_recipe_classes_answer_isinstance_and_kind_predicates_as_te():
+    from te_npu import recipe
+
+    made = recipe.MXFP8BlockScaling()
+    assert recipe.MXFP8BlockScaling is MXFP8BlockRecipe and isinstance(made, recipe.MXFP8BlockScaling)
+    assert isinstance(made, recipe.Recipe) and isinstance(HiF8CurrentScalingRecipe(), recipe.Recipe)
+    kinds = ("mxfp8", "hif8", "delayed", "float8_current_scaling", "float8_per_tensor_scaling",
+             "float8_block_scaling", "nvfp4", "custom")
+    expected = {
+        recipe.MXFP8BlockScaling: {"mxfp8"},
+        HiF8CurrentScalingRecipe: {"hif8"},
+        recipe.DelayedScaling: {"delayed", "float8_per_tensor_scaling"},
+        recipe.Float8CurrentScaling: {"float8_current_scaling", "float8_per_tensor_scaling"},
+        recipe.Float8BlockScaling: {"float8_block_scaling"},
+        recipe.NVFP4BlockScaling: {"nvfp4"},
+        recipe.CustomRecipe: {"custom"},
+    }
+    for cls, true_kinds in expected.items():
+        assert issubclass(cls, recipe.Recipe)
+        assert {k for k in kinds if getattr(cls, k)()} == true_kinds, cls
+    assert {k for k in kinds if getattr(made, k)()} == {"mxfp8"}  # on instances too
+    assert not isinstance(made, (recipe.DelayedScaling, recipe.Float8CurrentScaling))
+
+
+def test_te_mxfp8_block_scaling_has_te_fields_in_te_order():
+    from te_npu import recipe
+
+    made = recipe.MXFP8BlockScaling(0, recipe.Format.E4M3, False, False, None, False)  # TE's positional order
+    assert (made.margin, made.fp8_format, made.fp8_dpa, made.fp8_mha, made.backward_override,
+            made.enable_2d_quantization) == (0, recipe.Format.E4M3, False, False, None, False)
+    assert [f.name for f in dataclasses.fields(made)][:6] == [
+        "margin", "fp8_format", "fp8_dpa", "fp8_mha", "backward_override", "enable_2d_quantization"]
+    assert made.fp8_format == "E4M3" and made == MXFP8BlockRecipe(fp8_format="E4M3")
+    with pytest.raises(TypeError):  # te_npu's own fields are keyword-only
+        recipe.MXFP8BlockScaling(0, "E4M3", False, False, None, False, 32)
+    assert MXFP8BlockRecipe(scale_alg="ceil").scale_alg == "ceil"
+
+
+def test_te_recipe_classes_without_counterpart_refuse_construction_with_reason():
+    from te_npu import recipe
+
+    with pytest.raises(ConfigError, match="CustomRecipe is not supported by te_npu: custom quantizer factories"):
+        recipe.CustomRecipe(qfactory=lambda role: None)
+    with pytest.raises(ConfigError, match="DelayedScaling is not supported"):
+        recipe.DelayedScaling()

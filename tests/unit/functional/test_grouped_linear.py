@@ -175,7 +175,7 @@ def test_grouped_swiglu_order_and_reference(recipe, rand):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_grouped_linear_runs_under_inference_mode(recipe, rand):
-    layer = te_npu.TEGroupedLinear(4, 64, 32, params_dtype=torch.float32)
+    layer = te_npu.TEGroupedLinear(4, 64, 32, params_dtype=torch.float32, bias=False)
     x = rand(100, 64)
     with te_npu.autocast(recipe=recipe):
         want = layer(x, [10, 0, 57, 33])

@@ -100,7 +100,7 @@ def test_linear_runs_no_high_precision_gemm(recipe, rand, monkeypatch):
     for mod, name in [(torch, "mm"), (torch, "matmul"), (torch, "bmm"), (F, "linear"), (torch, "addmm")]:
         monkeypatch.setattr(mod, name, guard(name, getattr(mod, name)))
     x = rand(64, 96, requires_grad=True)
-    lin = te_npu.TELinear(96, 128, bias=True)
+    lin = te_npu.TELinear(96, 128, bias=True, params_dtype=torch.bfloat16)
     with te_npu.autocast(recipe=recipe):
         y = lin(x)
     y.float().sum().backward()

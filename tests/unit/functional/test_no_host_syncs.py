@@ -14,7 +14,7 @@ from te_npu import HiF8CurrentScalingRecipe, MXFP8BlockRecipe
 from te_npu.ops import emulation
 from te_npu import events
 from te_npu.testing import count_host_syncs
-from tests.seeded import seeded_init, seeded_randn
+from tests.seeded import BF16_NO_BIAS, seeded_init, seeded_randn
 
 RECIPES = [MXFP8BlockRecipe(), HiF8CurrentScalingRecipe()]
 SPLITS = [10, 0, 57, 33]
@@ -39,14 +39,17 @@ def _step(module, recipe, *args):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_linear_step_makes_no_host_sync(recipe, plan, rand):
-    layer = te_npu.TELinear(256, 128, bias=True)
+    layer = te_npu.TELinear(256, 128, bias=True, params_dtype=torch.bfloat16)
     syncs = _step(layer, recipe, rand(64, 256, requires_grad=True))
     assert syncs.total == 0, syncs.calls
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_grouped_linear_step_with_host_splits_makes_no_host_sync(recipe, plan, rand):
-    layer = te_npu.TEGroupedLinear(len(SPLITS), 256, 128)
+def test_grouped_linear_step_with_host_splits_makes_no_host_sync(recipe, bias, plan, rand):
+    """TE's per-GEMM bias too: its rows are expanded with the known total, its gradient summed
+    per group from the splits' host mirror."""
+    layer = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, bias=bias, params_dtype=torch.bfloat16)
     syncs = _step(layer, recipe, rand(sum(SPLITS), 256, requires_grad=True), SPLITS)
     assert syncs.total == 0, syncs.calls
 
@@ -63,7 +66,7 @@ def test_swiglu_experts_read_device_splits_once(recipe, plan, rand):
 def test_steps_with_every_event_subscribed_make_no_host_sync(recipe, rand):
     """The event stream adds no host read: every event of a step built and delivered (their HiF8
     amax / scale tensors stay on the device; reading an OperandEvent's derived amax is a device op)."""
-    layer = te_npu.TELinear(256, 128, bias=True, init_method=seeded_init(0))
+    layer = te_npu.TELinear(256, 128, bias=True, init_method=seeded_init(0), params_dtype=torch.bfloat16)
     experts = te_npu.TEGroupedSwiGLUExperts(len(SPLITS), 256, 64, init_method=seeded_init(1, std=0.02))
     seen = []
 
@@ -85,8 +88,8 @@ def test_steps_with_every_event_subscribed_make_no_host_sync(recipe, rand):
 def test_cuda_steps_make_no_host_sync(recipe):
     """The same claim checked by CUDA itself: ``set_sync_debug_mode("error")`` raises on any
     synchronizing call (a warm-up step first: weight quantization and compiles may sync)."""
-    layer = te_npu.TELinear(256, 128, init_method=seeded_init(0)).to("cuda")
-    experts = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, init_method=seeded_init(1)).to("cuda")
+    layer = te_npu.TELinear(256, 128, init_method=seeded_init(0), **BF16_NO_BIAS).to("cuda")
+    experts = te_npu.TEGroupedLinear(len(SPLITS), 256, 128, init_method=seeded_init(1), **BF16_NO_BIAS).to("cuda")
     randn = seeded_randn(2)
     x = randn(64, 256).to("cuda").requires_grad_()
     xg = randn(sum(SPLITS), 256).to("cuda").requires_grad_()

@@ -12,7 +12,7 @@ def rand():
 
 @pytest.fixture
 def init():
-    """A seeded ``init_method`` for TELinear / TEGroupedLinear (their default Kaiming-uniform)."""
+    """A seeded ``init_method`` for TELinear / TEGroupedLinear: U(+-1/sqrt(in)) per weight (their former default)."""
     return seeded_init(0)
 
 

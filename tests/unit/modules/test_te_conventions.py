@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import te_npu
 from te_npu import HiF8CurrentScalingRecipe, MXFP8BlockRecipe
-from tests.seeded import seeded_init
+from tests.seeded import BF16_NO_BIAS, seeded_init
 from tests.unit.functional.gemm_reference import RECIPES
 
 PATHS = [None, *RECIPES]
@@ -23,7 +23,7 @@ def _ctx(recipe):
 # ---- item 3: group splits are checked on the plain path as on the 8-bit one ---------------------
 
 @pytest.mark.parametrize("recipe", PATHS, ids=PATH_IDS)
-@pytest.mark.parametrize("module", [lambda: te_npu.TEGroupedLinear(4, 64, 96),
+@pytest.mark.parametrize("module", [lambda: te_npu.TEGroupedLinear(4, 64, 96, **BF16_NO_BIAS),
                                     lambda: te_npu.TEGroupedSwiGLUExperts(4, 64, 32)], ids=["grouped", "swiglu"])
 @pytest.mark.parametrize("splits, message", [
     ([25] * 4, r"must be non-negative and sum to the 128 input rows"),   # rows 100-127 in no group
@@ -45,8 +45,8 @@ def test_grouped_modules_check_splits_on_every_path(recipe, module, splits, mess
 def test_te_modules_take_is_first_microbatch_like_megatron(recipe, rand, init, experts_init):
     """Megatron passes is_first_microbatch to every TE forward; results equal the default call."""
     x = rand(32, 64)
-    for module, args in ((te_npu.TELinear(64, 96, init_method=init), (x,)),
-                         (te_npu.TEGroupedLinear(2, 64, 96, init_method=init), (x, [20, 12])),
+    for module, args in ((te_npu.TELinear(64, 96, init_method=init, **BF16_NO_BIAS), (x,)),
+                         (te_npu.TEGroupedLinear(2, 64, 96, init_method=init, **BF16_NO_BIAS), (x, [20, 12])),
                          (te_npu.TEGroupedSwiGLUExperts(2, 64, 32, init_method=experts_init), (x, [20, 12]))):
         with _ctx(recipe):
             want = module(*args)
@@ -56,10 +56,10 @@ def test_te_modules_take_is_first_microbatch_like_megatron(recipe, rand, init, e
 
 @pytest.mark.parametrize("recipe", PATHS, ids=PATH_IDS)
 def test_te_linear_return_bias_returns_bias_unadded(recipe, rand, init):
-    lin = te_npu.TELinear(64, 96, bias=True, return_bias=True, init_method=init)
+    lin = te_npu.TELinear(64, 96, bias=True, return_bias=True, init_method=init, params_dtype=torch.bfloat16)
     with torch.no_grad():
         lin.bias.copy_(rand(96))
-    plain = te_npu.TELinear(64, 96, bias=False, init_method=init)
+    plain = te_npu.TELinear(64, 96, bias=False, init_method=init, params_dtype=torch.bfloat16)
     plain.load_state_dict({"weight": lin.weight.detach()})
     x = rand(32, 64, requires_grad=True)
     with _ctx(recipe):
@@ -68,7 +68,7 @@ def test_te_linear_return_bias_returns_bias_unadded(recipe, rand, init):
     (out.float().sum() + bias.float().sum()).backward()
     assert torch.equal(lin.bias.grad, torch.ones(96, dtype=torch.bfloat16))
     with _ctx(recipe):
-        out, none = te_npu.TELinear(64, 96, bias=False, return_bias=True)(x)
+        out, none = te_npu.TELinear(64, 96, bias=False, return_bias=True, params_dtype=torch.bfloat16)(x)
     assert none is None and out.shape == (32, 96)
 
 
@@ -79,7 +79,7 @@ def test_te_modules_compute_in_the_input_dtype_outside_torch_autocast(recipe, ra
     """An fp32 input into a bf16 layer: both paths compute in and return fp32 (the weight is
     cast to the activation dtype; the 8-bit path quantizes it whatever its dtype); gradients
     come back in each tensor's own dtype."""
-    lin = te_npu.TELinear(64, 96, bias=True, init_method=init)
+    lin = te_npu.TELinear(64, 96, bias=True, init_method=init, params_dtype=torch.bfloat16)
     x = rand(32, 64, dtype=torch.float32, requires_grad=True)
     with _ctx(recipe):
         y = lin(x)
@@ -128,9 +128,9 @@ def test_te_modules_under_torch_autocast_return_the_autocast_dtype(recipe, rand,
                          ids=["quantized_model_init", "fp8_model_init"])
 def test_quantized_init_preserves_high_precision_init_val(init_context):
     recipe = MXFP8BlockRecipe()
-    reference = te_npu.TELinear(64, 96, init_method=seeded_init(0))
+    reference = te_npu.TELinear(64, 96, init_method=seeded_init(0), bias=False, params_dtype=torch.bfloat16)
     with init_context(recipe=recipe, preserve_high_precision_init_val=True):
-        lin = te_npu.TELinear(64, 96, init_method=seeded_init(0))
+        lin = te_npu.TELinear(64, 96, init_method=seeded_init(0), bias=False, params_dtype=torch.bfloat16)
         experts = te_npu.TEGroupedSwiGLUExperts(2, 64, 32, init_method=seeded_init(1, std=0.02))
     value = lin.weight.get_high_precision_init_val()
     assert value.device.type == "cpu" and value.dtype == torch.bfloat16 and torch.equal(value, reference.weight)
@@ -138,5 +138,5 @@ def test_quantized_init_preserves_high_precision_init_val(init_context):
     lin.weight.clear_high_precision_init_val()
     assert lin.weight.get_high_precision_init_val() is None
     with te_npu.quantized_model_init(recipe=HiF8CurrentScalingRecipe()):
-        plain = te_npu.TELinear(64, 96)
+        plain = te_npu.TELinear(64, 96, bias=False, params_dtype=torch.bfloat16)
     assert not hasattr(plain.weight, "get_high_precision_init_val")  # as in TE: only when preserved

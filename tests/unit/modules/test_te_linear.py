@@ -11,6 +11,7 @@ from te_npu import HiF8CurrentScalingRecipe, LowPrecisionUnavailableError, MXFP8
 from te_npu.events import GemmEvent, OperandEvent, QuantEvent, subscribe
 from te_npu.formats import QuantizationRole as Role
 from tests.unit.functional.gemm_reference import RECIPES
+from tests.seeded import BF16_NO_BIAS
 
 
 def _weight_quantizations(events, shape):
@@ -18,7 +19,7 @@ def _weight_quantizations(events, shape):
 
 
 def test_te_linear_plain_path_is_f_linear(rand, init):
-    lin = te_npu.TELinear(64, 96, bias=True, init_method=init)
+    lin = te_npu.TELinear(64, 96, bias=True, init_method=init, params_dtype=torch.bfloat16)
     x = rand(8, 64)
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
     with te_npu.autocast(enabled=False):
@@ -30,7 +31,7 @@ def test_te_linear_plain_path_is_f_linear(rand, init):
 def test_te_linear_micro_batches_quantize_weight_per_forward_unless_is_first_microbatch(recipe, rand, init):
     """TE's model: a high-precision weight is quantized by every forward by default; with
     is_first_microbatch True then False it is quantized once per step."""
-    lin = te_npu.TELinear(64, 96, init_method=init)
+    lin = te_npu.TELinear(64, 96, init_method=init, bias=False, params_dtype=torch.bfloat16)
 
     def step(flags):
         events = []
@@ -55,7 +56,7 @@ def test_te_linear_micro_batches_quantize_weight_per_forward_unless_is_first_mic
 
 
 def test_te_linear_error_names_fqn_and_recipe_change_warns(rand):
-    model = torch.nn.Sequential(torch.nn.Identity(), te_npu.TELinear(64, 96))
+    model = torch.nn.Sequential(torch.nn.Identity(), te_npu.TELinear(64, 96, **BF16_NO_BIAS))
     te_npu.assign_fqns(model)
     with pytest.raises(LowPrecisionUnavailableError, match=r"^1: mxfp8_e4m3 GEMM cannot run: input \[40, 64\] \(M=40"):
         with te_npu.autocast(recipe=MXFP8BlockRecipe()):
@@ -72,7 +73,7 @@ def test_te_linear_reports_every_role_operand_with_its_fqn(recipe, rand):
     """One forward + backward reports an ``OperandEvent`` for every role, named by the module's
     FQN, with detached scales: HiF8 amax = the tensor's amax, gradient scale amax / 224; MXFP8
     E8M0 codes and no single amax. (What a module's ``quant_stats`` dict used to hold.)"""
-    model = torch.nn.Sequential(te_npu.TELinear(64, 96))
+    model = torch.nn.Sequential(te_npu.TELinear(64, 96, bias=False, params_dtype=torch.bfloat16))
     te_npu.assign_fqns(model)
     x = rand(32, 64, requires_grad=True)
     operands = []

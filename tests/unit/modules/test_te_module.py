@@ -16,14 +16,15 @@ from te_npu import HiF8CurrentScalingRecipe, LowPrecisionUnavailableError, MXFP8
 from te_npu.events import QuantEvent, subscribe
 from te_npu.tensor import QuantizedWeightTensor
 from tests.unit.functional.gemm_reference import RECIPES
+from tests.seeded import BF16_NO_BIAS
 
 
 def _module(kind, init, experts_init):
     """(module, input shape, extra forward args) of one TE module kind."""
     if kind == "dense":
-        return te_npu.TELinear(64, 96, bias=True, init_method=init), (2, 32, 64), ()
+        return te_npu.TELinear(64, 96, bias=True, init_method=init, params_dtype=torch.bfloat16), (2, 32, 64), ()
     if kind == "grouped":
-        return te_npu.TEGroupedLinear(4, 64, 96, init_method=init), (100, 64), ([40, 0, 55, 5],)
+        return te_npu.TEGroupedLinear(4, 64, 96, init_method=init, **BF16_NO_BIAS), (100, 64), ([40, 0, 55, 5],)
     return te_npu.TEGroupedSwiGLUExperts(4, 64, 32, init_method=experts_init), (100, 64), ([40, 0, 55, 5],)
 
 
@@ -70,7 +71,7 @@ def test_te_modules_recompute_bitwise_and_its_weight_quantizations(recipe, kind,
 @pytest.mark.parametrize("how", ["quantized_model_init", "quantize_weights_"])
 def test_te_modules_quantized_weights(recipe, how, rand, init, experts_init):
     def build():
-        return torch.nn.ModuleDict({"lin": te_npu.TELinear(64, 96, bias=True, init_method=init),
+        return torch.nn.ModuleDict({"lin": te_npu.TELinear(64, 96, bias=True, init_method=init, params_dtype=torch.bfloat16),
                                     "experts": te_npu.TEGroupedSwiGLUExperts(4, 64, 32, init_method=experts_init)})
 
     if how == "quantized_model_init":
@@ -113,8 +114,8 @@ def test_te_modules_run_npu_backend_through_fake(recipe, rand, init, monkeypatch
     from te_npu.ops import force_backend
     from tests.npu_backend import install_npu_backend
 
-    lin = te_npu.TELinear(64, 96, init_method=init)
-    experts = te_npu.TEGroupedLinear(4, 64, 96, init_method=init)
+    lin = te_npu.TELinear(64, 96, init_method=init, bias=False, params_dtype=torch.bfloat16)
+    experts = te_npu.TEGroupedLinear(4, 64, 96, init_method=init, bias=False, params_dtype=torch.bfloat16)
     x, xg = rand(32, 64), rand(100, 64)
 
     def step():
@@ -143,12 +144,12 @@ def test_te_modules_run_npu_backend_through_fake(recipe, rand, init, monkeypatch
 def test_meta_module_inside_quantized_model_init_raises_instead_of_staying_high_precision(recipe, init):
     with te_npu.quantized_model_init(recipe=recipe), torch.device("meta"):
         with pytest.raises(ValueError, match="TELinear built on the meta device inside te_npu.quantized_model_init"):
-            te_npu.TELinear(64, 96)
+            te_npu.TELinear(64, 96, bias=False, params_dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="TEGroupedLinear built on the meta device"):
-            te_npu.TEGroupedLinear(4, 64, 96)
+            te_npu.TEGroupedLinear(4, 64, 96, bias=False, params_dtype=torch.bfloat16)
     # the supported route: meta build outside, materialize, then convert
     with torch.device("meta"):
-        layer = te_npu.TELinear(64, 96)
+        layer = te_npu.TELinear(64, 96, bias=False, params_dtype=torch.bfloat16)
     layer = layer.to_empty(device="cpu")
     init(layer.weight)
     te_npu.quantize_weights_(layer, recipe)

@@ -21,8 +21,8 @@ from tests.seeded import seeded_init, seeded_randn
 from tests.unit.functional.gemm_reference import RECIPES
 
 KINDS = {
-    "dense": (lambda: te_npu.TELinear(64, 96, init_method=seeded_init(0)), (32, 64), ()),
-    "grouped": (lambda: te_npu.TEGroupedLinear(4, 64, 96, init_method=seeded_init(0)), (100, 64), ([40, 0, 55, 5],)),
+    "dense": (lambda: te_npu.TELinear(64, 96, init_method=seeded_init(0), bias=False, params_dtype=torch.bfloat16), (32, 64), ()),
+    "grouped": (lambda: te_npu.TEGroupedLinear(4, 64, 96, init_method=seeded_init(0), bias=False, params_dtype=torch.bfloat16), (100, 64), ([40, 0, 55, 5],)),
     "swiglu": (lambda: te_npu.TEGroupedSwiGLUExperts(4, 64, 32, init_method=seeded_init(0, std=0.02)), (100, 64),
                ([40, 0, 55, 5],)),
 }
@@ -119,7 +119,7 @@ def test_te_linear_stale_data_write_loss_decreases(recipe):
     target = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
 
     def losses(use_recipe):
-        lin = te_npu.TELinear(64, 64, init_method=seeded_init(0))
+        lin = te_npu.TELinear(64, 64, init_method=seeded_init(0), bias=False, params_dtype=torch.bfloat16)
         master = lin.weight.detach().float().clone().requires_grad_()
         optimizer = torch.optim.SGD([master], lr=0.5)
         out = []
@@ -144,7 +144,7 @@ def test_te_linear_is_first_microbatch_false_sees_metadata_changes(recipe):
     storage, a new parameter object, ``.to()`` or another recipe quantizes anew."""
     from te_npu.events import QuantEvent, subscribe
 
-    lin = te_npu.TELinear(64, 96, init_method=seeded_init(0))
+    lin = te_npu.TELinear(64, 96, init_method=seeded_init(0), bias=False, params_dtype=torch.bfloat16)
     x = seeded_randn(3)(32, 64)
 
     def quantizations(flag):
@@ -186,7 +186,7 @@ def test_te_linear_fresh_across_fsdp2_resharding_and_optimizer_steps(recipe):
     from torch.distributed.fsdp import fully_shard
 
     gen = torch.Generator().manual_seed(2)
-    sharded, reference = te_npu.TELinear(64, 96, params_dtype=torch.float32, init_method=seeded_init(0)), None
+    sharded, reference = te_npu.TELinear(64, 96, params_dtype=torch.float32, init_method=seeded_init(0), bias=False), None
     reference = copy.deepcopy(sharded)
     xs = [torch.randn(32, 64, generator=gen) for _ in range(3)]
     store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)

@@ -402,7 +402,7 @@ def test_hif8_runs_on_an_ascend_950pr(monkeypatch):
 
 def test_te_module_raises_at_first_use_when_the_gate_fails(monkeypatch):
     install_npu_backend(monkeypatch, chip="Ascend910B3")
-    lin = te_npu.TELinear(64, 64)
+    lin = te_npu.TELinear(64, 64, bias=False, params_dtype=torch.bfloat16)
     with ops.force_backend("npu"), te_npu.autocast(recipe=te_npu.MXFP8BlockRecipe()):
         with pytest.raises(LowPrecisionUnavailableError, match="Ascend910B3"):
             lin(torch.randn(32, 64, dtype=torch.bfloat16))

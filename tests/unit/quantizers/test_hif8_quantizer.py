@@ -65,6 +65,18 @@ def test_hif8_quantizer_zero_and_nan_tensors_get_scale_one(spread):
     assert op.scale[1] == 1.0 and op.scale[0] != 1.0 and op.data[1, 0, 0] == 0x80  # NaN code, group scale 1.0
 
 
+def test_hif8_quantizer_empty_tensor_gets_scale_one_and_reports_amax_zero():
+    """No element: amax 0, hence scale 1.0 (per expert for 3D); an amax over nothing used to raise."""
+    q = HiF8Quantizer(15.0)
+    seen = []
+    with subscribe(seen.append, QuantEvent):
+        flat, experts = (q.quantize(torch.zeros(shape, dtype=torch.bfloat16), orientation="col")
+                         for shape in ((0, 64), (3, 0, 32)))
+    assert flat.data.shape == (0, 64) and flat.data.dtype == torch.uint8 and torch.equal(flat.scale, torch.tensor(1.0))
+    assert experts.data.shape == (3, 0, 32) and torch.equal(experts.scale, torch.ones(3))
+    assert [float(e.amax.sum()) for e in seen] == [0.0, 0.0] and all(e.format_max == 15.0 for e in seen)
+
+
 def test_hif8_quantize_with_scale_uses_the_given_scale_and_reports_its_amax(spread):
     x = spread(64, 96)
     q = HiF8Quantizer(15.0)

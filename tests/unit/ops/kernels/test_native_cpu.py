@@ -177,7 +177,7 @@ def test_linear_and_grouped_expert_steps_under_native_kernels_match_eager_bitwis
 
     def build():
         torch.manual_seed(0)
-        return torch.nn.ModuleDict({"lin": te_npu.TELinear(128, 96, params_dtype=torch.bfloat16),
+        return torch.nn.ModuleDict({"lin": te_npu.TELinear(128, 96, params_dtype=torch.bfloat16, bias=False),
                                     "experts": te_npu.TEGroupedSwiGLUExperts(4, 128, 64, params_dtype=torch.bfloat16)})
 
     def step(model):

@@ -137,8 +137,8 @@ def test_device_rules_of_each_variant(name, device, bad):
 def test_linear_step_with_compiled_kernels_matches_eager_bitwise(recipe):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
-    eager_layer = te_npu.TELinear(128, 96, params_dtype=torch.bfloat16)
-    compiled_layer = te_npu.TELinear(128, 96, params_dtype=torch.bfloat16)
+    eager_layer = te_npu.TELinear(128, 96, params_dtype=torch.bfloat16, bias=False)
+    compiled_layer = te_npu.TELinear(128, 96, params_dtype=torch.bfloat16, bias=False)
     compiled_layer.load_state_dict(eager_layer.state_dict())
 
     def step(layer):
