@@ -14,6 +14,8 @@ import errno
 import os
 import shutil
 
+from te_npu.errors import exception_chain
+
 __all__ = ["DiskFullError", "FULL_BELOW", "free_bytes", "check_free_space", "space_error", "raise_if_disk_full",
            "format_bytes"]
 
@@ -57,7 +59,7 @@ def space_error(exc: BaseException, path: str | os.PathLike, needed: int, what: 
     """A ``DiskFullError`` describing ``exc`` if it was caused by a full disk at ``path``, else None."""
     if isinstance(exc, DiskFullError):
         return exc
-    causes = _causes(exc)
+    causes = exception_chain(exc)
     if any(not isinstance(e, Exception) and type(e).__name__ != "CheckpointException" for e in causes):
         return None  # an interruption (SIGINT / SIGTERM) is not a full disk, whatever the free space
     full = any(isinstance(e, OSError) and e.errno in _SPACE_ERRNOS for e in causes)
@@ -78,22 +80,6 @@ def raise_if_disk_full(exc: BaseException, path: str | os.PathLike, needed: int,
     full = space_error(exc, path, needed, what)
     if full is not None and full is not exc:
         raise full from exc
-
-
-def _causes(exc: BaseException, seen: set | None = None) -> list[BaseException]:
-    seen = set() if seen is None else seen
-    out = []
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        out.append(exc)
-        failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            for failure in failures.values():
-                inner = failure[0] if isinstance(failure, tuple) else failure
-                if isinstance(inner, BaseException):
-                    out.extend(_causes(inner, seen))
-        exc = exc.__cause__ or exc.__context__
-    return out
 
 
 def _first_line(exc: BaseException) -> str:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from te_npu.compat import default_store
 from te_npu.distributed.disk_space import DiskFullError
-from te_npu.errors import ConfigError
+from te_npu.errors import ConfigError, exception_chain
 from te_npu.training.divergence import TrainingDiverged
 from te_npu.training.stall import EXIT_STALLED, StallWatch
 
@@ -140,7 +140,7 @@ def root_cause(exc: BaseException) -> BaseException:
     inside ``torch.save`` surfaces as the writer's "unexpected pos" error, raised while handling
     it, possibly carried by DCP's ``CheckpointException`` from another rank), or the config error
     / stop rule a ``CheckpointException`` carries from a rank."""
-    chain = _chain(exc, set())
+    chain = exception_chain(exc)
     for inner in chain:  # an interruption anywhere: whatever it broke on the way is its consequence
         if isinstance(inner, (JobInterrupted, KeyboardInterrupt)):
             return inner
@@ -151,21 +151,6 @@ def root_cause(exc: BaseException) -> BaseException:
             if isinstance(inner, (ConfigError, TrainingDiverged)):
                 return inner
     return exc
-
-
-def _chain(exc: BaseException | None, seen: set) -> list[BaseException]:
-    out = []
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        out.append(exc)
-        failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            for failure in failures.values():
-                inner = failure[0] if isinstance(failure, tuple) else failure
-                if isinstance(inner, BaseException):
-                    out.extend(_chain(inner, seen))
-        exc = exc.__cause__ or exc.__context__
-    return out
 
 
 def exit_code_for(exc: BaseException) -> int:
