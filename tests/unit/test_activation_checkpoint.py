@@ -183,23 +183,26 @@ def test_checkpoint_replays_autocast_entered_inside_the_function_and_retained_gr
         assert torch.equal(torch.autograd.grad(out.float().sum(), x, retain_graph=True)[0], want)
 
 
+class _Mark:
+    """A user context manager that records its name in `seen` on entry."""
+
+    def __init__(self, name, seen):
+        self.name, self.seen = name, seen
+
+    def __enter__(self):
+        self.seen.append(self.name)
+
+    def __exit__(self, *exc):
+        return False
+
+
 def test_checkpoint_passes_kwargs_and_user_context_fn():
     seen = []
-
-    class Mark:
-        def __init__(self, name):
-            self.name = name
-
-        def __enter__(self):
-            seen.append(self.name)
-
-        def __exit__(self, *exc):
-            return False
 
     module = te_npu.TELinear(64, 64, bias=True, return_bias=True, init_method=seeded_init(0), params_dtype=torch.bfloat16)
     x = seeded_randn(1)(32, 64, requires_grad=True)
     out, bias = te_npu.checkpoint(module, x, is_first_microbatch=True,
-                                  context_fn=lambda: (Mark("forward"), Mark("recompute")))
+                                  context_fn=lambda: (_Mark("forward", seen), _Mark("recompute", seen)))
     (out.float().sum() + bias.float().sum()).backward()
     assert seen == ["forward", "recompute"] and module.bias.grad is not None
 
@@ -226,22 +229,12 @@ def test_checkpoint_accepts_te_no_op_values():
 def test_reentrant_checkpoint_passes_kwargs_and_user_context_fn():
     seen = []
 
-    class Mark:
-        def __init__(self, name):
-            self.name = name
-
-        def __enter__(self):
-            seen.append(self.name)
-
-        def __exit__(self, *exc):
-            return False
-
     def run(use_reentrant):
         module = te_npu.TELinear(64, 64, return_bias=True, init_method=seeded_init(0), **BF16)
         x = seeded_randn(1)(32, 64, requires_grad=True)
         with te_npu.autocast(recipe=HiF8CurrentScalingRecipe()):
             out, bias = te_npu.checkpoint(module, x, is_first_microbatch=True, use_reentrant=use_reentrant,
-                                          context_fn=lambda: (Mark("forward"), Mark("recompute")))
+                                          context_fn=lambda: (_Mark("forward", seen), _Mark("recompute", seen)))
         (out.float().pow(2).sum() + bias.float().sum()).backward()
         return [x.grad, module.weight.grad, module.bias.grad]
 
