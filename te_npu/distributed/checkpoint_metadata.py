@@ -72,10 +72,12 @@ _STORAGE_INFO = ALLOWED_GLOBALS[("torch.distributed.checkpoint.filesystem", "_St
 
 
 class _Refused(Exception):
-    pass
+    """What the restricted unpickler met that DCP metadata never holds (reported as ``ConfigError``)."""
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only ``ALLOWED_GLOBALS`` and refuses persistent references."""
+
     def find_class(self, module: str, name: str) -> Any:
         try:
             return ALLOWED_GLOBALS[(module, name)]

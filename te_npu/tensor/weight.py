@@ -244,7 +244,7 @@ class QuantizedWeightTensor(torch.Tensor):
 
     def _slice_last(self, start: int, stop: int) -> "QuantizedWeightTensor":
         """Columns ``[start, stop)`` of a 2D weight ``[N, K]`` (along K) as a view of the same storage."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be sliced along its last dim")
+        raise NotImplementedError
 
     def _slice(self, dim: int, start: int, stop: int) -> "QuantizedWeightTensor":
         """``[start, stop)`` along ``dim``: dim 0, or the last dim of a 2D weight."""
