@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Mapping
 from te_npu.errors import ConfigError
 from te_npu.formats import Format as TrainingFormat
 from te_npu.formats import QuantizationRole
-from te_npu.numerics.constants import HIF8_GRAD_MAX, HIF8_INPUT_MAX, MX_BLOCK_SIZE
+from te_npu.numerics.constants import HIF8_GRAD_MAX, HIF8_INPUT_MAX, MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG, MX_SCALE_ALGS
 from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer, Quantizer
 
 __all__ = [
@@ -118,8 +118,8 @@ class Recipe:
 
 # TE field -> (the only accepted value, why nothing else has a meaning here)
 _MXFP8_TE_FIELDS = {
-    "margin": (0, "MX scales are per 32-element block, E8M0 = floor(log2 amax) - 8; there is no "
-                  "delayed-scaling margin to apply"),
+    "margin": (0, "MX scales are per 32-element block, an E8M0 power of two from the block's amax "
+                  "(scale_alg); there is no delayed-scaling margin to apply"),
     "fp8_dpa": (False, "te_npu has no FP8 attention (core attention stays high precision)"),
     "fp8_mha": (False, "te_npu has no FP8 attention (core attention stays high precision)"),
     "backward_override": (None, "every backward GEMM runs in the recipe's format; there is no "
@@ -140,9 +140,11 @@ class MXFP8BlockRecipe(Recipe):
     ``"E4M3"``); ``HYBRID`` / ``E5M2`` gradients are refused. Any other value raises
     ``ConfigError`` naming the field and why it has no meaning here.
 
-    te_npu's own fields are keyword-only: ``scale_alg`` is ``"floor"`` (``e = floor(log2(amax)) - 8``,
-    the OCP rule and the default) or ``"ceil"`` (smallest power of two >= amax / 448, torch_npu
-    ``scale_alg=1``); ``block_size`` (32) and ``scale_dtype`` (``"E8M0"``) are fixed.
+    te_npu's own fields are keyword-only: ``scale_alg`` is ``"ceil"`` (the default: the smallest
+    power of two >= amax / 448 -- what TE's ``float_to_e8m0`` round-up, torchao's ``RCEIL`` and
+    torch_npu's ``scale_alg=1`` compute, arXiv 2506.08027's recipe) or ``"floor"`` (the OCP MX
+    rule ``e = floor(log2(amax)) - 8``, torch_npu ``scale_alg=0``: a block's values above 448
+    after scaling are clipped to 448); ``block_size`` (32) and ``scale_dtype`` (``"E8M0"``) are fixed.
     Every role shares one stateless quantizer.
     """
 
@@ -155,7 +157,7 @@ class MXFP8BlockRecipe(Recipe):
     _: KW_ONLY
     block_size: int = MX_BLOCK_SIZE
     scale_dtype: str = "E8M0"
-    scale_alg: str = "floor"
+    scale_alg: str = MX_DEFAULT_SCALE_ALG
     format: ClassVar[TrainingFormat] = TrainingFormat.MXFP8_E4M3
 
     def __post_init__(self) -> None:
@@ -174,7 +176,7 @@ class MXFP8BlockRecipe(Recipe):
                 raise ConfigError(f"MXFP8BlockScaling.{field}: {value!r} is not supported (only {accepted!r}): {reason}")
         _require(self.block_size == MX_BLOCK_SIZE, "block_size", self.block_size, [MX_BLOCK_SIZE])
         _require(self.scale_dtype == "E8M0", "scale_dtype", self.scale_dtype, ["E8M0"])
-        _require(self.scale_alg in ("floor", "ceil"), "scale_alg", self.scale_alg, ["floor", "ceil"])
+        _require(self.scale_alg in MX_SCALE_ALGS, "scale_alg", self.scale_alg, list(MX_SCALE_ALGS))
 
     def quantizer(self, role: QuantizationRole) -> Quantizer:
         """The quantizer for ``role`` (the same immutable object for every role)."""

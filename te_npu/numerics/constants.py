@@ -19,6 +19,12 @@ E8M0_MIN_EXP = -127  # code 0 -> 2**-127 (the scale of an all-zero block)
 E8M0_MAX_EXP = 127  # code 254 -> 2**127
 
 MX_BLOCK_SIZE = 32  # elements per MX block (OCP MX v1.0)
+# E8M0 scale rules: "ceil" (the default) is the smallest power of two >= amax / 448 -- torch_npu
+# scale_alg=1 ("cuBLAS"), Transformer Engine's float_to_e8m0 round-up, torchao RCEIL, the rule of
+# arXiv 2506.08027; "floor" is the OCP MX v1.0 rule 2**(floor(log2 amax) - 8), torch_npu
+# scale_alg=0, which clips a block's values above 448 (up to 12.5 % of its top binade) to 448.
+MX_SCALE_ALGS = ("ceil", "floor")
+MX_DEFAULT_SCALE_ALG = "ceil"
 
 # ---- FP32 bit layout, used to read exponents exactly from bits ----
 FP32_MANTISSA_BITS = 23  # explicit mantissa bits of float32

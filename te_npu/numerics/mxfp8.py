@@ -6,6 +6,9 @@ its columns, ``B``: number of ragged blocks.
 
 Bit-exactness notes
 -------------------
+* Ceil scale (``scale_alg="ceil"``, the default; torch_npu ``scale_alg=1``) and floor scale
+  (``"floor"``, opt-in) are both below; ``te_npu.numerics.constants.MX_SCALE_ALGS`` says why
+  ceil is the default (no element of a block is clipped).
 * Floor scale (OCP MX v1.0, ``scale_alg="floor"``): ``e = floor(log2(amax)) - 8`` read from the
   FP32 exponent field of ``amax``, clamped to [-127, 127]; code ``e + 127``. A subnormal FP32
   ``amax`` has ``floor(log2(amax)) <= -127``, so its ``e`` is always clamped to -127 (code 0),
@@ -40,6 +43,8 @@ from te_npu.numerics.constants import (
     FP32_MANTISSA_BITS,
     FP32_NAN_BITS,
     MX_BLOCK_SIZE,
+    MX_DEFAULT_SCALE_ALG,
+    MX_SCALE_ALGS,
 )
 
 __all__ = [
@@ -65,7 +70,7 @@ __all__ = [
     "scale_codes_from_amax",
 ]
 
-_SCALE_ALGS = ("floor", "ceil")
+_SCALE_ALGS = MX_SCALE_ALGS
 _SUBNORMAL_2_POW_M127 = 1 << (FP32_MANTISSA_BITS - 1)  # float32 bits of 2**-127 (the subnormal with bit 22 set)
 
 
@@ -136,7 +141,7 @@ def check_blocked(x: torch.Tensor, axis: int, block_size: int, scale_alg: str) -
     return axis
 
 
-def scale_codes_from_amax(amax: torch.Tensor, scale_alg: str = "floor") -> torch.Tensor:
+def scale_codes_from_amax(amax: torch.Tensor, scale_alg: str = MX_DEFAULT_SCALE_ALG) -> torch.Tensor:
     """Block amax (any float dtype, >= 0 or NaN) -> E8M0 codes (uint8), from FP32 bits."""
     amax32 = amax.to(torch.float32)
     exp_field = _exponent_field(amax32)
@@ -188,13 +193,13 @@ def _quantize_blocked(xc: torch.Tensor, axis: int, block_size: int, scale_alg: s
 
 
 # ----------------------------------------------------------------------------- public API
-def quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor"):
+def quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG):
     """MXFP8-quantize ``x`` in blocks of ``block_size`` consecutive elements along ``axis``.
 
     Args:
         x: ``[..., D, ...]`` bf16/fp16/fp32 tensor, ``D % block_size == 0``.
         axis: the blocked dim (negative allowed).
-        scale_alg: ``"floor"`` (OCP MX) or ``"ceil"`` (smallest power of two >= amax/448).
+        scale_alg: ``"ceil"`` (default: smallest power of two >= amax/448) or ``"floor"`` (OCP MX).
     Returns:
         ``data``: ``float8_e4m3fn`` with ``x``'s shape; ``scale``: uint8 E8M0 codes shaped like
         ``x`` with ``D // block_size`` along ``axis``.
@@ -239,7 +244,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, axis: int = -1, block_si
     return _block_expand(block_scale.to(dtype), decode_e4m3_as(data, dtype), axis, block_size)
 
 
-def dual_block_scales(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor"):
+def dual_block_scales(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG):
     """First half of :func:`quantize_dual`: the row and col block scales of ``x: [..., N, K]``.
 
     Returns ``(row_scale [..., N, K/bs], row_inverse, col_scale [..., N/bs, K], col_inverse)``:
@@ -264,7 +269,7 @@ def quantize_with_dual_scales(x: torch.Tensor, row_inverse: torch.Tensor, col_in
     return row_data.reshape(shape), col_data.reshape(shape)
 
 
-def quantize_dual(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor"):
+def quantize_dual(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG):
     """Row- and column-blocked MXFP8 copies of a weight ``x: [..., N, K]``.
 
     Both copies come from the high-precision ``x``: quantizing the column copy from the row
@@ -351,7 +356,7 @@ def gather_ragged(data_padded: torch.Tensor, padded_row: torch.Tensor) -> torch.
 
 
 def quantize_ragged(x: torch.Tensor, padded_row: torch.Tensor, padded_rows: int, block_size: int = MX_BLOCK_SIZE,
-                    scale_alg: str = "floor"):
+                    scale_alg: str = MX_DEFAULT_SCALE_ALG):
     """Ragged col quantization on a given padded layout (:func:`ragged_layout`): pad, block along
     dim 0, gather. ``padded_rows`` may exceed the layout's ``num_blocks * bs`` (a static bound):
     the extra blocks are all-zero padding with scale code 0.
@@ -362,7 +367,7 @@ def quantize_ragged(x: torch.Tensor, padded_row: torch.Tensor, padded_rows: int,
 
 
 def quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE,
-                     scale_alg: str = "floor", *, host_sizes: Sequence[int] | None = None):
+                     scale_alg: str = MX_DEFAULT_SCALE_ALG, *, host_sizes: Sequence[int] | None = None):
     """MXFP8 along dim 0 of ``x: [T, K]`` with ragged blocks (see :func:`group_block_index`).
 
     Each group is zero-padded to a multiple of ``block_size`` (zeros leave a block's amax

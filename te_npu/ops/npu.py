@@ -67,6 +67,11 @@ NAME = "npu"
 SCALE_LAYOUT = "npu"
 """Layout of the scales this backend's quantizations return (the kernels' own)."""
 
+# te_npu scale rule -> torch_npu scale_alg. aclnnDynamicMxQuant(V2/V3).md: scaleAlg 0 is the OCP
+# floor(log2(amax)) - emax, scaleAlg 1 ("cuBLAS", FP8 dst types only) rounds amax / dst_max up to
+# a power of two; the dual-axis op documents the same choice, the grouped op has it from
+# aclnnGroupedDynamicMxQuantV2 (CANN 9.1.0, ops-nn !3577 "scale_alg=1时,采用新增cuBLAS算法").
+# Every MX quantization call below sends it explicitly (default "ceil" -> 1).
 _SCALE_ALG = {"floor": 0, "ceil": 1}
 _HALF = (torch.bfloat16, torch.float16)  # what the fused quantization kernels take
 _MX_INPUTS = (torch.bfloat16, torch.float16, torch.float32)  # npu_dynamic_mx_quant (V3)

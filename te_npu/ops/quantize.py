@@ -13,7 +13,7 @@ import torch
 
 from te_npu import events
 from te_npu.formats import Format, Orientation
-from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 from te_npu.ops.group_sizes import with_mirror_of
 from te_npu.ops import layouts
 from te_npu.ops.operand import QuantizedOperand
@@ -48,7 +48,7 @@ def _check_orientation(orientation) -> None:
 
 # ---------------------------------------------------------------- operands (backend layout)
 def quantize_mxfp8(x: torch.Tensor, orientation: Orientation, *, group_sizes: torch.Tensor | None = None,
-                   block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor") -> QuantizedOperand:
+                   block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG) -> QuantizedOperand:
     """MXFP8 operand of ``x [..., M, K]`` blocked along K (``row``) or M (``col``); with
     ``group_sizes`` (int64 ``[G]`` row counts of a 2D ``[T, K]`` col operand) the blocks restart
     at every group boundary (ragged)."""
@@ -68,7 +68,7 @@ def quantize_mxfp8(x: torch.Tensor, orientation: Orientation, *, group_sizes: to
 
 
 def quantize_mxfp8_dual(w: torch.Tensor, *, block_size: int = MX_BLOCK_SIZE,
-                        scale_alg: str = "floor") -> tuple[QuantizedOperand, QuantizedOperand]:
+                        scale_alg: str = MX_DEFAULT_SCALE_ALG) -> tuple[QuantizedOperand, QuantizedOperand]:
     """Row and col MXFP8 operands of ``w [..., N, K]``, both from the high-precision values."""
     backend = backend_for(w.device)
     _event(_MX, "dual", w, backend)
@@ -106,7 +106,7 @@ def quantize_hif8_with_scale(x: torch.Tensor, scale: torch.Tensor, *, orientatio
 
 
 # ---------------------------------------------------------------- canonical tuples (inspection, tests)
-def mxfp8_quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor"):
+def mxfp8_quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG):
     """E4M3 data (same shape) and canonical E8M0 codes blocked along ``axis`` (-1 row, -2 col).
     Other axes run the emulation's numerics on any backend's device layout rules."""
     if axis not in (-1, -2, x.dim() - 1, x.dim() - 2):
@@ -118,14 +118,14 @@ def mxfp8_quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_S
     return op.data, op.scale
 
 
-def mxfp8_quantize_dual(w: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor"):
+def mxfp8_quantize_dual(w: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG):
     """(row_data, row_scale [...,N,K/32], col_data, col_scale [...,N/32,K]) of a weight [..., N, K]."""
     row, col = (layouts.to_canonical(op) for op in quantize_mxfp8_dual(w, block_size=block_size, scale_alg=scale_alg))
     return row.data, row.scale, col.data, col.scale
 
 
 def mxfp8_quantize_grouped(x: torch.Tensor, group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE,
-                           scale_alg: str = "floor"):
+                           scale_alg: str = MX_DEFAULT_SCALE_ALG):
     """Ragged col quantization of x [T, K]: blocks along T restart at each group (int64 [G] counts);
     returns (data [T, K], canonical scale [num_blocks, K])."""
     op = quantize_mxfp8(x, "col", group_sizes=group_sizes, block_size=block_size, scale_alg=scale_alg)

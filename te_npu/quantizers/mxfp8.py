@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 
 from te_npu.formats import Format, Orientation
+from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 from te_npu import ops
 from te_npu.ops.operand import QuantizedOperand
 
@@ -19,10 +20,12 @@ class MXFP8Quantizer:
 
     ``row`` blocks along the last dim, ``col`` along the second-to-last; a 2D ``col``
     operand with ``group_list`` gets blocks that restart at every group boundary.
+    ``scale_alg``: the E8M0 scale rule, ``"ceil"`` (default, round-up) or ``"floor"`` (OCP);
+    a quantized weight keeps the quantizer it was made with, hence its rule.
     """
 
-    block_size: int = 32
-    scale_alg: str = "floor"
+    block_size: int = MX_BLOCK_SIZE
+    scale_alg: str = MX_DEFAULT_SCALE_ALG
     format: ClassVar[Format] = Format.MXFP8_E4M3
 
     def quantize(

@@ -11,9 +11,12 @@ from te_npu import ConfigError, HiF8CurrentScalingRecipe, MXFP8BlockRecipe, Quan
 from te_npu.quantizers import HiF8Quantizer, MXFP8Quantizer
 
 
-def test_mxfp8_recipe_defaults_are_e4m3_block32_e8m0_floor():
+def test_mxfp8_recipe_defaults_are_e4m3_block32_e8m0_ceil():
     recipe = MXFP8BlockRecipe()
-    assert (recipe.fp8_format, recipe.block_size, recipe.scale_dtype, recipe.scale_alg) == ("E4M3", 32, "E8M0", "floor")
+    assert (recipe.fp8_format, recipe.block_size, recipe.scale_dtype, recipe.scale_alg) == ("E4M3", 32, "E8M0", "ceil")
+    assert te_npu.recipe.MXFP8BlockScaling().scale_alg == "ceil" and recipe == MXFP8BlockRecipe(scale_alg="ceil")
+    assert {q.scale_alg for q in recipe.quantizers().values()} == {"ceil"}
+    assert MXFP8BlockRecipe(scale_alg="floor").quantizer(QuantizationRole.INPUT_FWD).scale_alg == "floor"
     assert recipe.format is te_npu.Format.MXFP8_E4M3
 
 

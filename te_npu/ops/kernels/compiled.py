@@ -26,7 +26,7 @@ import torch
 
 from te_npu import compat
 from te_npu.numerics import hif8, mxfp8
-from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 from te_npu.ops.group_sizes import host_group_sizes
 from te_npu.ops.kernels.eager import EagerKernels
 
@@ -73,11 +73,11 @@ class CompiledKernels(EagerKernels):
         return self._graphs[fn]
 
     # ---- quantization --------------------------------------------------------------------------
-    def mxfp8_quantize(self, x, axis=-1, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize(self, x, axis=-1, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         axis = mxfp8.check_blocked(x, axis, block_size, scale_alg)
         return self.compiled(mxfp8.quantize)(x, axis, block_size, scale_alg)
 
-    def mxfp8_quantize_dual(self, w, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize_dual(self, w, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         if w.dim() < 2:
             raise ValueError(f"quantize_dual needs a [..., N, K] tensor, got shape {tuple(w.shape)}")
         mxfp8.check_blocked(w, -1, block_size, scale_alg)
@@ -86,7 +86,7 @@ class CompiledKernels(EagerKernels):
         row_data, col_data = self.compiled(mxfp8.quantize_with_dual_scales)(w, row_inverse, col_inverse, block_size)
         return row_data, row_scale, col_data, col_scale
 
-    def mxfp8_quantize_grouped(self, x, group_sizes, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize_grouped(self, x, group_sizes, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         if x.dim() != 2:
             raise ValueError(f"quantize_grouped needs a [T, K] tensor, got shape {tuple(x.shape)}")
         mxfp8.check_blocked(x, -1, 1, scale_alg)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from te_npu.numerics import hif8, mxfp8
-from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 from te_npu.ops.group_sizes import host_group_sizes
 
 __all__ = ["EagerKernels"]
@@ -47,13 +47,13 @@ class EagerKernels:
         return self._decode_tables[key]
 
     # ---- quantization --------------------------------------------------------------------------
-    def mxfp8_quantize(self, x, axis=-1, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize(self, x, axis=-1, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         return mxfp8.quantize(x, axis, block_size, scale_alg)
 
-    def mxfp8_quantize_dual(self, w, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize_dual(self, w, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         return mxfp8.quantize_dual(w, block_size, scale_alg)
 
-    def mxfp8_quantize_grouped(self, x, group_sizes, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize_grouped(self, x, group_sizes, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         return mxfp8.quantize_grouped(x, group_sizes, block_size, scale_alg, host_sizes=host_group_sizes(group_sizes))
 
     def hif8_quantize(self, x, format_max, per_group=False):

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 
 __all__ = ["QuantKernels", "QUANT_KERNEL_METHODS"]
 
@@ -47,15 +47,15 @@ class QuantKernels(Protocol):
         """``(True, None)`` when the kernels can run here, else ``(False, reason)``; may build them."""
 
     def mxfp8_quantize(self, x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_SIZE,
-                       scale_alg: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+                       scale_alg: str = MX_DEFAULT_SCALE_ALG) -> tuple[torch.Tensor, torch.Tensor]:
         """``(data float8_e4m3fn like x, scale uint8)`` blocked along ``axis`` (``mxfp8.quantize``)."""
 
-    def mxfp8_quantize_dual(self, w: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor"
+    def mxfp8_quantize_dual(self, w: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(row_data, row_scale, col_data, col_scale)`` of ``w [..., N, K]`` (``mxfp8.quantize_dual``)."""
 
     def mxfp8_quantize_grouped(self, x: torch.Tensor, group_sizes: torch.Tensor, block_size: int = MX_BLOCK_SIZE,
-                               scale_alg: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+                               scale_alg: str = MX_DEFAULT_SCALE_ALG) -> tuple[torch.Tensor, torch.Tensor]:
         """Ragged col ``(data [T, K], scale [B, K])`` (``mxfp8.quantize_grouped``); ``group_sizes``
         carries its host mirror (``te_npu.ops.group_sizes``), so no host read."""
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from te_npu.numerics import hif8, mxfp8
-from te_npu.numerics.constants import MX_BLOCK_SIZE
+from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 from te_npu.ops.group_sizes import host_group_sizes
 from te_npu.ops.kernels.eager import EagerKernels
 
@@ -116,7 +116,7 @@ def _u8(shape) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8)
 
 
-def quantize_dual(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor", *, out=None):
+def quantize_dual(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG, *, out=None):
     """Native :func:`mxfp8.quantize_dual`: ``(row_data, row_scale, col_data, col_scale)``, bitwise equal.
 
     Args:
@@ -146,7 +146,7 @@ def quantize_dual(x: torch.Tensor, block_size: int = MX_BLOCK_SIZE, scale_alg: s
     return (row_data.view(torch.float8_e4m3fn), row_scale, col_data.view(torch.float8_e4m3fn), col_scale)
 
 
-def quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_SIZE, scale_alg: str = "floor"):
+def quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_SIZE, scale_alg: str = MX_DEFAULT_SCALE_ALG):
     """Native :func:`mxfp8.quantize` for ``axis`` -1 (row) or -2 (col) of ``x: [..., N, K]``; bitwise equal."""
     if block_size != MX_BLOCK_SIZE:
         raise ValueError(f"native MXFP8 kernel supports block_size={MX_BLOCK_SIZE} only, got {block_size}")
@@ -283,17 +283,17 @@ class NativeCpuKernels(EagerKernels):
     def availability(self) -> tuple[bool, str | None]:
         return is_available(return_reason=True)
 
-    def mxfp8_quantize(self, x, axis=-1, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize(self, x, axis=-1, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         if _cpu(x) and block_size == MX_BLOCK_SIZE and x.dim() >= 2 and axis % x.dim() >= x.dim() - 2:
             return quantize(x, axis=axis, block_size=block_size, scale_alg=scale_alg)
         return super().mxfp8_quantize(x, axis, block_size, scale_alg)
 
-    def mxfp8_quantize_dual(self, w, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize_dual(self, w, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         if _cpu(w) and block_size == MX_BLOCK_SIZE:
             return quantize_dual(w, block_size, scale_alg)
         return super().mxfp8_quantize_dual(w, block_size, scale_alg)
 
-    def mxfp8_quantize_grouped(self, x, group_sizes, block_size=MX_BLOCK_SIZE, scale_alg="floor"):
+    def mxfp8_quantize_grouped(self, x, group_sizes, block_size=MX_BLOCK_SIZE, scale_alg=MX_DEFAULT_SCALE_ALG):
         if not (_cpu(x) and block_size == MX_BLOCK_SIZE):
             return super().mxfp8_quantize_grouped(x, group_sizes, block_size, scale_alg)
         if x.dim() != 2:

@@ -297,3 +297,37 @@ def test_mxscale_pair_count_matches_ceil_of_half_blocks(npu):
     for d in (1, 31, 32, 33, 64, 65, 97):
         _, scale = npu.npu_dynamic_mx_quant(torch.randn(3, d).bfloat16(), dst_type=E4M3)
         assert scale.shape == (3, math.ceil(math.ceil(d / 32) / 2), 2)
+
+
+@pytest.mark.parametrize("op", ["dense", "dual", "grouped"])
+def test_scale_alg_1_is_accepted_by_every_mx_op_and_rounds_the_scale_up(npu, op):
+    """te_npu's default sends scale_alg=1 to every MX quantization op (dense, dual-axis, grouped):
+    each accepts it for an FP8 dst type (aclnnDynamicMxQuant.md: scaleAlg 1 "只涉及FP8类型";
+    aclnnGroupedDynamicMxQuantV2, ops-nn !3577) and rounds amax / 448 up to a power of two, where
+    scale_alg 0 takes floor(log2 amax) - 8: block amax 450 -> code 128 vs 127, amax 448 -> 127 both."""
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    x[:, :32], x[:, 32:] = 450.0, 448.0  # row blocks; every col block has amax 450 (cols < 32) or 448
+
+    def codes(scale_alg):
+        if op == "dense":
+            return npu.npu_dynamic_mx_quant(x, axis=-1, dst_type=E4M3, scale_alg=scale_alg)[1][0, 0].tolist()
+        if op == "dual":
+            return npu.npu_dynamic_mx_quant_with_dual_axis(x, dst_type=E4M3, scale_alg=scale_alg)[1][0, 0].tolist()
+        gi = torch.tensor([64], dtype=torch.int32)
+        scale = npu.npu_grouped_dynamic_mx_quant(x, gi, dst_type=E4M3, scale_alg=scale_alg)[1]
+        return [int(scale[0, 0, 0]), int(scale[0, 32, 0])]
+
+    assert codes(1) == [128, 127] and codes(0) == [127, 127]
+
+
+@pytest.mark.parametrize("op", ["dense", "dual", "grouped"])
+def test_scale_alg_2_is_refused_for_fp8_by_every_mx_op(npu, op):
+    # tiling: "If the dtype of output y is FLOAT8_E4M3FN/FLOAT8_E5M2, parameter scale_alg must be 0 or 1"
+    x = torch.ones(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="scale_alg must be 0 or 1"):
+        if op == "dense":
+            npu.npu_dynamic_mx_quant(x, dst_type=E4M3, scale_alg=2)
+        elif op == "dual":
+            npu.npu_dynamic_mx_quant_with_dual_axis(x, dst_type=E4M3, scale_alg=2)
+        else:
+            npu.npu_grouped_dynamic_mx_quant(x, torch.tensor([64], dtype=torch.int32), dst_type=E4M3, scale_alg=2)

@@ -121,12 +121,13 @@ def test_mxfp8_quantize_versus_reference(shape, axis, alg, gen):
     assert_matches_reference(x, axis, alg)
 
 
-def test_mxfp8_quantize_wide_range_versus_reference(np_rng):
+@pytest.mark.parametrize("alg", ["floor", "ceil"])
+def test_mxfp8_quantize_wide_range_versus_reference(np_rng, alg):
     # random bit patterns: any float32 incl. subnormals, NaN and Inf, both signs
     bits = np_rng.integers(-(2**31), 2**31, size=(64, 256), dtype=np.int64).astype(np.int32)
     x = torch.from_numpy(bits.view(np.float32))
-    assert_matches_reference(x, -1)
-    assert_matches_reference(x, 0)
+    assert_matches_reference(x, -1, alg)
+    assert_matches_reference(x, 0, alg)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -220,10 +221,22 @@ def test_mxfp8_quantize_error_within_half_ulp(x, alg):
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=blocks)
-def test_mxfp8_quantize_idempotent_on_representable_values(x):
+@given(x=blocks, alg=st.sampled_from(["floor", "ceil"]))
+def test_mxfp8_quantize_idempotent_on_representable_values(x, alg):
     t = torch.from_numpy(x)
-    data, scale = mxfp8.quantize(t)
+    if alg == "ceil":
+        # ceil rounds a block's top element up to 448 * 2**e: at the top of the FP32 range
+        # (amax > 248 * 2**120 ~ 3.3e38: the element rounds to 256, 256 * 2**120 = 2**128) is Inf in FP32
+        t = t.clamp(-2.0**127, 2.0**127)
+    data, scale = mxfp8.quantize(t, scale_alg=alg)
     once = mxfp8.dequantize(data, scale)
-    data2, scale2 = mxfp8.quantize(once)
+    data2, scale2 = mxfp8.quantize(once, scale_alg=alg)
     assert torch.equal(mxfp8.dequantize(data2, scale2), once)
+
+
+def test_mxfp8_ceil_dequantizes_the_top_of_the_fp32_range_to_inf():
+    # the documented corner of the round-up rule: amax 3.3e38 -> scale 2**120, element 248 -> RNE 256
+    data, scale = mxfp8.quantize(one_block(3.2964854e38), scale_alg="ceil")
+    assert int(scale[0]) == 247 and float(mxfp8.dequantize(data, scale)[0]) == math.inf
+    data, scale = mxfp8.quantize(one_block(3.2964854e38), scale_alg="floor")  # clipped to 448 * 2**119
+    assert float(mxfp8.dequantize(data, scale)[0]) == 448 * 2.0**119

@@ -116,7 +116,7 @@ def test_mxfp8_quantize_equals_emulation(fake, gen, dtype, orientation):
     assert_same_operand(on_npu(ops.quantize_mxfp8, x, orientation), ops.quantize_mxfp8(x, orientation))
     (call,) = fake.calls_of("npu_dynamic_mx_quant")
     assert call.bound["axis"] == (-1 if orientation == "row" else -2) and call.bound["dst_type"] == 24  # e4m3
-    assert call.bound["block_size"] == 32 and call.bound["scale_alg"] == 0 and call.bound["round_mode"] == "rint"
+    assert call.bound["block_size"] == 32 and call.bound["scale_alg"] == 1 and call.bound["round_mode"] == "rint"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -149,6 +149,54 @@ def test_mxfp8_grouped_quantize_equals_emulation(fake, gen, dtype, sizes):
         cumsum = torch.cumsum(group_sizes, 0)
         assert call.bound["group_index"].dtype == torch.int32 and torch.equal(call.bound["group_index"], cumsum.to(torch.int32))
         assert call.bound["blocksize"] == 32 and call.bound["dst_type"] == 24
+
+
+def _scale_rule_stress(gen, rows: int, cols: int, dtype, *, tiny: bool = True) -> torch.Tensor:
+    """[rows, cols] with blocks (both ways) whose amax is exactly 448 * 2**k, just above it, zero,
+    and (``tiny``) below 448 * 2**-127 (scale code 0 under the ceil rule): where the rules part ways."""
+    x = _rand(gen, rows, cols, dtype=torch.float32)
+    x[0, :32], x[1, 32:64] = 448.0 * 2.0**-3, 449.0 * 2.0**5
+    if tiny and dtype != torch.float16:  # fp16 cannot hold them
+        x[32:64, 32:64] *= 2.0**-128
+    x[2, 64:96] = 0.0
+    x[3, 96:128], x[64:96, 0] = 448.0, 500.0
+    return x.to(dtype)
+
+
+def test_floor_rule_tiny_blocks_are_zeroed_by_the_kernel_not_by_the_emulation(fake, gen):
+    """A known difference of the floor rule only (the ceil default has none): blocks whose floor
+    exponent clamps to code 0 (amax < 2**-118) get zero elements from npu_dynamic_mx_quant (its zero
+    mask on the shared exponent, tests/fakes/mx_block.py), x * 2**127 from the emulation."""
+    x = _scale_rule_stress(gen, 64, 64, torch.bfloat16)
+    for alg, differs in (("floor", True), ("ceil", False)):
+        q = MXFP8Quantizer(scale_alg=alg)
+        got, want = layouts.to_canonical(on_npu(q.quantize, x, orientation="row")), q.quantize(x, orientation="row")
+        assert torch.equal(got.scale, want.scale)
+        same = _bits(got.data) == _bits(want.data)
+        assert bool(same[:32].all()) and bool(same[32:, :32].all()) and bool(same[32:, 32:].all()) != differs
+        if differs:
+            assert bool((got.data[32:, 32:].float() == 0).all())  # signed zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale_alg, code", [(None, 1), ("ceil", 1), ("floor", 0)], ids=["default", "ceil", "floor"])
+def test_every_mx_quantization_call_sends_the_recipe_scale_rule_and_equals_emulation(fake, gen, dtype, scale_alg, code):
+    """Dense (row / col), dual-axis and grouped MX quantization: each vendor call carries
+    ``scale_alg=1`` (round-up, the default) unless floor was chosen (0), and the fake -- which
+    computes scale_alg 1 as the kernels do, S = amax * fp32(1/448) rounded up -- equals the
+    emulation bit for bit on blocks where the two rules differ."""
+    q = MXFP8Quantizer() if scale_alg is None else MXFP8Quantizer(scale_alg=scale_alg)
+    x = _scale_rule_stress(gen, 128, 160, dtype, tiny=scale_alg != "floor")
+    sizes = torch.tensor([40, 0, 88])
+    for orientation in ("row", "col"):
+        assert_same_operand(on_npu(q.quantize, x, orientation=orientation), q.quantize(x, orientation=orientation))
+    for got, want in zip(on_npu(q.quantize_dual, x), q.quantize_dual(x)):
+        assert_same_operand(got, want)
+    assert_same_operand(on_npu(q.quantize, x, orientation="col", group_list=sizes),
+                        q.quantize(x, orientation="col", group_list=sizes))
+    names = ("npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis", "npu_grouped_dynamic_mx_quant")
+    calls = [c for name in names for c in fake.calls_of(name)]
+    assert len(calls) >= 4 and {c.bound["scale_alg"] for c in calls} == {code}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
