@@ -239,7 +239,7 @@ _RECIPES_BY_FORMAT_AND_SCALING = {
     ("mxfp8_e4m3", "mx_block"): MXFP8BlockRecipe,
     ("hif8", "current"): HiF8CurrentScalingRecipe,
 }
-_ALLOWED_KEYS = ("enabled", "format", "scaling")
+_ALLOWED_KEYS = ("enabled", "format", "scaling", "scale_alg")
 _ALLOWED_FORMATS = ("mxfp8_e4m3", "hif8")
 _ALLOWED_SCALINGS = {"mxfp8_e4m3": ("mx_block",), "hif8": ("current",)}
 
@@ -249,8 +249,9 @@ def recipe_from_config(
 ) -> Recipe | None:
     """Parse a ``low_precision`` config section into a recipe, or None when disabled.
 
-    Accepts exactly ``{enabled, format, scaling}`` with the combinations
-    ``mxfp8_e4m3 + mx_block`` and ``hif8 + current``. Anything else raises ``ConfigError``
+    Accepts exactly ``{enabled, format, scaling, scale_alg}`` with the combinations
+    ``mxfp8_e4m3 + mx_block`` and ``hif8 + current``; ``scale_alg`` (``ceil``, the default, or
+    ``floor``: the MXFP8 E8M0 scale rule) only with ``mxfp8_e4m3``. Anything else raises ``ConfigError``
     naming the key path (``path``) and the allowed values. ``enabled: false`` returns None
     without looking at the other fields' support (unless ``check_disabled``: the training
     config refuses an unsupported combination even when it is switched off) and without
@@ -278,7 +279,17 @@ def recipe_from_config(
             f"{path}.scaling: {scaling!r} is not supported with format {fmt!r}; "
             f"allowed values are {list(_ALLOWED_SCALINGS[fmt])}"
         )
-    return _RECIPES_BY_FORMAT_AND_SCALING[(fmt, scaling)]() if enabled else None
+    kwargs = {}
+    if "scale_alg" in config:
+        scale_alg = config["scale_alg"]
+        if fmt != "mxfp8_e4m3":
+            raise ConfigError(f"{path}.scale_alg: {scale_alg!r} is not supported with format {fmt!r}; the E8M0 "
+                              "scale rule is MXFP8's only (HiF8 scales are FP32 amax / format_max): remove the key")
+        if scale_alg not in MX_SCALE_ALGS:
+            raise ConfigError(f"{path}.scale_alg: {scale_alg!r} is not supported; allowed values are "
+                              f"{list(MX_SCALE_ALGS)} (ceil: round-up, the default; floor: the OCP rule)")
+        kwargs["scale_alg"] = scale_alg
+    return _RECIPES_BY_FORMAT_AND_SCALING[(fmt, scaling)](**kwargs) if enabled else None
 
 
 def _require(ok: bool, field: str, value: Any, allowed: list) -> None:

@@ -9,7 +9,8 @@ key path (``fsdp_config.comm_fusion``, ``parallel.tensor_parallel_size``, ``chec
 (section 15), each stated once, where the code that depends on it lives:
 
 - low-precision format / scaling other than ``mxfp8_e4m3 + mx_block`` / ``hif8 + current``,
-  and keys other than ``enabled / format / scaling``: ``te_npu.recipe.recipe_from_config``
+  keys other than ``enabled / format / scaling / scale_alg``, ``scale_alg`` other than ``ceil`` /
+  ``floor`` or with HiF8: ``te_npu.recipe.recipe_from_config``
   (here with ``check_disabled=True``: checked even when ``enabled: false``);
 - TP/CP/EP/PP > 1 and FSDP ``comm_fusion: true``: ``te_npu.distributed.sharding.
   validate_parallel_config`` (which ``shard_model`` runs too);

@@ -70,8 +70,10 @@ def test_hif8_recipe_quantizer_accepts_role_strings():
     [
         ({"enabled": True, "format": "mxfp8_e4m3", "scaling": "mx_block"}, MXFP8BlockRecipe()),
         ({"enabled": True, "format": "hif8", "scaling": "current"}, HiF8CurrentScalingRecipe()),
+        ({"enabled": True, "format": "mxfp8_e4m3", "scale_alg": "floor"}, MXFP8BlockRecipe(scale_alg="floor")),
+        ({"enabled": True, "format": "mxfp8_e4m3", "scale_alg": "ceil"}, MXFP8BlockRecipe()),
     ],
-    ids=["mxfp8", "hif8"],
+    ids=["mxfp8", "hif8", "mxfp8-floor", "mxfp8-ceil"],
 )
 def test_recipe_from_config_accepts_the_two_legal_combinations(config, expected):
     assert te_npu.recipe_from_config(config) == expected
@@ -86,14 +88,26 @@ def test_recipe_from_config_accepts_the_two_legal_combinations(config, expected)
         ({"enabled": True, "format": "mxfp4", "scaling": "mx_block"}, "low_precision.format"),
         ({"enabled": "yes", "format": "hif8", "scaling": "current"}, "low_precision.enabled"),
         ({"enabled": True, "format": "hif8", "scaling": "current", "margin": 0}, "margin"),
+        ({"enabled": True, "format": "hif8", "scale_alg": "floor"}, "low_precision.scale_alg"),
+        ({"enabled": True, "format": "hif8", "scale_alg": "ceil"}, "low_precision.scale_alg"),
+        ({"enabled": True, "format": "mxfp8_e4m3", "scale_alg": "round"}, "low_precision.scale_alg"),
+        ({"enabled": True, "format": "mxfp8_e4m3", "scale_alg": 1}, "low_precision.scale_alg"),
     ],
-    ids=["mxfp8+current", "hif8+mx_block", "hif8+delayed", "mxfp4", "enabled-not-bool", "unknown-key"],
+    ids=["mxfp8+current", "hif8+mx_block", "hif8+delayed", "mxfp4", "enabled-not-bool", "unknown-key",
+         "hif8+floor", "hif8+ceil", "mxfp8+round", "mxfp8+vendor-int"],
 )
 def test_recipe_from_config_rejects_illegal_combinations_naming_the_field(config, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as info:
         te_npu.recipe_from_config(config)
     if "scaling" in field:
         assert "allowed values" in str(info.value)
+
+
+def test_recipe_from_config_refuses_scale_alg_with_hif8_in_one_line_even_when_disabled():
+    with pytest.raises(ConfigError) as info:
+        te_npu.recipe_from_config({"enabled": False, "format": "hif8", "scale_alg": "floor"}, check_disabled=True)
+    assert str(info.value).startswith("low_precision.scale_alg: ") and "\n" not in str(info.value)
+    assert "MXFP8" in str(info.value)
 
 
 def test_recipe_from_config_disabled_returns_none():

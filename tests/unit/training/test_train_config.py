@@ -35,6 +35,9 @@ ILLEGAL = [
     ("low_precision={enabled: true, format: hif8, scaling: mx_block}", "low_precision.scaling"),
     ("low_precision.margin=0", "low_precision.margin"),
     ("low_precision.enabled=yes", "low_precision.enabled"),
+    ("low_precision={enabled: true, format: hif8, scaling: current, scale_alg: floor}", "low_precision.scale_alg"),
+    ("low_precision={enabled: false, format: hif8, scaling: current, scale_alg: ceil}", "low_precision.scale_alg"),
+    ("low_precision.scale_alg=round", "low_precision.scale_alg"),
     ("fsdp_config.comm_fusion=true", "fsdp_config.comm_fusion"),
     ("parallel.tensor_parallel_size=2", "parallel.tensor_parallel_size"),
     ("parallel.context_parallel_size=2", "parallel.context_parallel_size"),
@@ -169,6 +172,14 @@ def test_config_recipe_loads_and_round_trips(path):
     expected = {"bf16": None, "mxfp8": MXFP8BlockRecipe(), "hif8": HiF8CurrentScalingRecipe()}[path.stem.split("_")[-1]]
     assert cfg.low_precision.recipe == expected
     assert cfg.checkpoint.format == "dcp" and not cfg.fsdp_config.comm_fusion
+
+
+@pytest.mark.parametrize("rule", ["floor", "ceil"])
+def test_config_low_precision_scale_alg_chooses_the_mxfp8_scale_rule(rule):
+    cfg = load(TINY, [f"low_precision.scale_alg={rule}"])
+    assert cfg.low_precision.recipe == MXFP8BlockRecipe(scale_alg=rule)
+    assert load(cfg.to_dict()) == cfg
+    assert load(TINY).low_precision.recipe.scale_alg == "ceil"  # not written: the default
 
 
 def test_config_recipes_count_and_variants_differ_only_in_low_precision():
