@@ -40,6 +40,9 @@ __all__ = [
     "MXFP8BlockRecipe",
     "HiF8CurrentScalingRecipe",
     "check_recipe",
+    "describe_recipe",
+    "recipe_change_note",
+    "recipe_record",
     "recipe_from_config",
     # Transformer Engine's spellings
     "Format",
@@ -234,6 +237,55 @@ def check_recipe(recipe: Any, where: str) -> Recipe | None:
         f"te_npu.recipe.MXFP8BlockScaling(...), TE's spelling), got {type(recipe).__module__}."
         f"{type(recipe).__qualname__}"
     )
+
+def recipe_record(recipe: Recipe | None) -> dict[str, str] | None:
+    """What a run computes in, as JSON: ``{"format": "mxfp8_e4m3", "scale_alg": "ceil"}``,
+    ``{"format": "hif8"}``, or None (the BF16 baseline). A checkpoint keeps it (``te_npu.json``)."""
+    if recipe is None:
+        return None
+    record = {"format": recipe.format.value}
+    if isinstance(recipe, MXFP8BlockRecipe):
+        record["scale_alg"] = recipe.scale_alg
+    return record
+
+
+def describe_recipe(recipe: Recipe | None) -> str:
+    """One phrase for a run's log line: the format and, for MXFP8, the E8M0 scale rule."""
+    if recipe is None:
+        return "off (BF16 baseline)"
+    if isinstance(recipe, MXFP8BlockRecipe):
+        rule = "round-up" if recipe.scale_alg == "ceil" else "OCP floor"
+        return f"{recipe.format.value} ({type(recipe).__name__}, scale_alg={recipe.scale_alg}: {rule} E8M0 scales)"
+    return f"{recipe.format.value} ({type(recipe).__name__})"
+
+
+def recipe_change_note(step_info: Mapping[str, Any], recipe: Recipe | None, where: str) -> str | None:
+    """One line when a resumed run's recipe differs from the one checkpoint ``where`` was trained
+    with (``step_info``: its ``te_npu.json``, whose ``low_precision`` is a ``recipe_record``),
+    else None. Changing the recipe between runs is legitimate; doing it silently is not. A
+    checkpoint older than the record is noted only for an MXFP8 run (te_npu computed MXFP8
+    scales with the floor rule then)."""
+    current = recipe_record(recipe)
+    if "low_precision" not in step_info:
+        if current is None or "scale_alg" not in current:
+            return None
+        return (f"checkpoint {where} does not record its MXFP8 scale rule (saved by a te_npu that computed "
+                f"scale_alg=floor); this run continues with scale_alg={current['scale_alg']}")
+    saved = step_info["low_precision"]
+    if saved == current:
+        return None
+    if isinstance(saved, Mapping) and current is not None and saved.get("format") == current.get("format"):
+        return (f"checkpoint {where} was trained with MXFP8 scale_alg={saved.get('scale_alg')}; this run continues "
+                f"with scale_alg={current.get('scale_alg')} (low_precision.scale_alg)")
+    return (f"checkpoint {where} was trained with low precision {_record_phrase(saved)}; this run continues with "
+            f"{_record_phrase(current)}")
+
+
+def _record_phrase(record: Any) -> str:
+    if not isinstance(record, Mapping) or not record:
+        return "off (BF16)"
+    return " ".join(f"{k}={v}" for k, v in record.items())
+
 
 _RECIPES_BY_FORMAT_AND_SCALING = {
     ("mxfp8_e4m3", "mx_block"): MXFP8BlockRecipe,

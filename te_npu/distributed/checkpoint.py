@@ -9,7 +9,8 @@ its rules -- ``latest``, rollback, pruning, what is never touched -- are ``check
                               optim.<fqn>.exp_avg       FP32
                               optim.<fqn>.exp_avg_sq    FP32
                               optim.<fqn>.step          FP32 scalar
-    dir/step_{N}/te_npu.json  {"step": N, "world_size": W, "lineage": id, "parent": M or null, "saved": time}
+    dir/step_{N}/te_npu.json  {"step": N, "world_size": W, "lineage": id, "parent": M or null, "saved": time,
+                               + the caller's ``meta`` (the trainer's "low_precision": {"format", "scale_alg"})}
     dir/step_{N}/extra_rank{r}.pt   the caller's ``extra`` of rank r (torch.save, weights_only-loadable)
     dir/step_{N}/manifest.json      every file above with its size and CRC-32, written last
     dir/latest              "step_{N}" of the newest published save
@@ -53,6 +54,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -115,6 +117,7 @@ def save(
     keep_last: int | None = None,
     lineage: str | None = None,
     parent: int | None = None,
+    meta: Mapping[str, Any] | None = None,
 ) -> str:
     """Save the high-precision view of ``model`` and ``optimizer`` at ``step``; returns the step path.
 
@@ -122,7 +125,8 @@ def save(
     (a JSON-like dict, RNG state tensors); saved per rank. keep_last: keep only the newest
     ``keep_last`` complete steps of this save's history (see the module doc). lineage: the run
     this save belongs to, parent: the step before it in that run's history (defaults for both:
-    those of the step ``latest`` names, else a new lineage without parent).
+    those of the step ``latest`` names, else a new lineage without parent). meta: more JSON fields
+    for the step's ``te_npu.json`` (the trainer's: ``low_precision``, the recipe it trained with).
     """
     directory = os.fspath(directory)
     rank, world = process_group.rank(), process_group.world_size()
@@ -144,8 +148,9 @@ def save(
         dcp.save(state, checkpoint_id=tmp)
         torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
         if rank == 0:
-            _write_json(os.path.join(tmp, _META), {"step": int(step), "world_size": world, "lineage": lineage,
-                                                   "parent": parent, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            _write_json(os.path.join(tmp, _META), {**(meta or {}), "step": int(step), "world_size": world,
+                                                   "lineage": lineage, "parent": parent,
+                                                   "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     except BaseException as exc:  # a full disk: anything from OSError to "unexpected pos", in DCP's CheckpointException
         raise_if_disk_full(exc, directory, needed, what)
         raise

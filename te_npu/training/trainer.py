@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import te_npu
 from te_npu import events
+from te_npu.recipe import describe_recipe, recipe_change_note, recipe_record
 from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, checkpoint_folder, layer_units, shard_model
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.compat import default_store, local_tensor
@@ -188,6 +189,7 @@ class Trainer:
             model = self._build_on_meta(cfg, hf_start)  # meta build, spec and HF-key checks, 8-bit weights (meta)
             # after every config check, so a bad input fails in seconds, before any native build
             self.quant_kernel = self._choose_quant_kernel()
+            self._print_rank0(f" low precision: {describe_recipe(self.recipe)}")
             self.shard_plan = self._shard_on_meta(model)  # plan from meta shapes, refused before any allocation
             self._setup_step("allocate shards")
             model.to_empty(device=self.device)  # each rank allocates its own shards only
@@ -338,6 +340,9 @@ class Trainer:
                 ) from None
             start, self.lineage = int(info["step"]), info.get("lineage")
             self._resume_step = start
+            note = None if extra["data"] is None else recipe_change_note(info, self.recipe, os.path.basename(self._resume_path))
+            if note is not None:  # a legitimate change between runs, never a silent one
+                self._print_rank0(f" note: {note}")
         self.lineage = self.lineage or checkpoint.new_lineage()
         error = None
         if self.rank == 0:
@@ -583,7 +588,8 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_dcp(self, directory: str | None = None, *, prune: bool = True) -> str:
-        """Atomic DCP save of BF16 weights, FP32 masters/moments, step, data position and RNG.
+        """Atomic DCP save of BF16 weights, FP32 masters/moments, step, data position, RNG and the recipe
+        (``te_npu.json`` ``low_precision``: format and MXFP8 scale rule, compared on resume).
 
         Refuses (``TrainingDiverged``) to save non-finite masters over the good checkpoints.
         ``prune``: apply ``checkpoint.keep_last`` now; ``train`` passes False and prunes once a
@@ -598,7 +604,8 @@ class Trainer:
         keep_last = (self.cfg.checkpoint.keep_last or None) if prune else None
         with self._watch.phase("checkpoint save", self.global_step, bounded=False):
             path = checkpoint.save(directory or self.cfg.checkpoint.dir, self.model, self.optimizer, self.global_step,
-                                   extra, keep_last=keep_last, lineage=self.lineage, parent=self._parent_step)
+                                   extra, keep_last=keep_last, lineage=self.lineage, parent=self._parent_step,
+                                   meta={"low_precision": recipe_record(self.recipe)})
         self._parent_step = self.global_step
         if directory is None or os.path.abspath(directory) == os.path.abspath(self.cfg.checkpoint.dir):
             self._saved.append(self.global_step)

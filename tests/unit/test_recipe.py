@@ -230,3 +230,40 @@ def test_te_recipe_classes_without_counterpart_refuse_construction_with_reason()
         recipe.CustomRecipe(qfactory=lambda role: None)
     with pytest.raises(ConfigError, match="DelayedScaling is not supported"):
         recipe.DelayedScaling()
+
+
+def test_recipe_record_and_log_phrase_name_the_mxfp8_scale_rule():
+    from te_npu.recipe import describe_recipe, recipe_record
+
+    assert recipe_record(MXFP8BlockRecipe()) == {"format": "mxfp8_e4m3", "scale_alg": "ceil"}
+    assert recipe_record(MXFP8BlockRecipe(scale_alg="floor")) == {"format": "mxfp8_e4m3", "scale_alg": "floor"}
+    assert recipe_record(HiF8CurrentScalingRecipe()) == {"format": "hif8"} and recipe_record(None) is None
+    assert "scale_alg=ceil" in describe_recipe(MXFP8BlockRecipe()) and "floor" in describe_recipe(MXFP8BlockRecipe(scale_alg="floor"))
+
+
+@pytest.mark.parametrize("saved, recipe, expected", [
+    ({"format": "mxfp8_e4m3", "scale_alg": "floor"}, MXFP8BlockRecipe(),
+     "checkpoint step_4 was trained with MXFP8 scale_alg=floor; this run continues with scale_alg=ceil "
+     "(low_precision.scale_alg)"),
+    ({"format": "mxfp8_e4m3", "scale_alg": "ceil"}, MXFP8BlockRecipe(scale_alg="floor"),
+     "checkpoint step_4 was trained with MXFP8 scale_alg=ceil; this run continues with scale_alg=floor "
+     "(low_precision.scale_alg)"),
+    ({"format": "mxfp8_e4m3", "scale_alg": "ceil"}, MXFP8BlockRecipe(), None),
+    ({"format": "hif8"}, HiF8CurrentScalingRecipe(), None),
+    (None, None, None),
+    (None, MXFP8BlockRecipe(), "checkpoint step_4 was trained with low precision off (BF16); this run continues "
+                               "with format=mxfp8_e4m3 scale_alg=ceil"),
+], ids=["floor-to-ceil", "ceil-to-floor", "same", "hif8", "bf16", "bf16-to-mxfp8"])
+def test_recipe_change_note_is_one_line_naming_both_rules(saved, recipe, expected):
+    from te_npu.recipe import recipe_change_note
+
+    assert recipe_change_note({"step": 4, "low_precision": saved}, recipe, "step_4") == expected
+
+
+def test_recipe_change_note_for_a_checkpoint_older_than_the_record():
+    from te_npu.recipe import recipe_change_note
+
+    note = recipe_change_note({"step": 4}, MXFP8BlockRecipe(), "step_4")
+    assert "does not record its MXFP8 scale rule" in note and "scale_alg=floor" in note and note.endswith("scale_alg=ceil")
+    assert recipe_change_note({"step": 4}, HiF8CurrentScalingRecipe(), "step_4") is None
+    assert recipe_change_note({"step": 4}, None, "step_4") is None
