@@ -3,7 +3,11 @@
 A TE weight is either
 - a ``QuantizedWeightTensor`` parameter (``quantized_model_init`` / ``quantize_weights_``):
   its stored row / col payloads are the operands, never re-quantized in forward (te_npu's
-  training path: ``MasterWeightOptimizer`` refreshes them once after each optimizer step); or
+  training path: ``MasterWeightOptimizer`` refreshes them once after each optimizer step).
+  It carries the quantizer it was made with, hence its MXFP8 scale rule (``scale_alg``):
+  under a recipe with the other rule its operands are quantized afresh, for this call, from
+  its high-precision value when it has a current one (TE's ``get_high_precision_init_val()``,
+  checked to still quantize to the stored payload), else the call raises naming both rules; or
 - a high-precision parameter, quantized following Transformer Engine's model
   (``is_first_microbatch``, as TE's ``Linear.forward`` takes it):
 
@@ -45,6 +49,7 @@ from te_npu.errors import LowPrecisionUnavailableError
 from te_npu.formats import QuantizationRole
 from te_npu.functional.operands import GemmContext, GemmNumerics, quantize_pair
 from te_npu.tensor import QuantizedWeightTensor
+from te_npu.ops.layouts import to_canonical
 from te_npu.ops.operand import QuantizedOperand
 
 __all__ = ["WeightOperands", "WeightCache", "weight_operands", "col_operand", "high_precision_weight"]
@@ -129,11 +134,41 @@ def weight_operands(weight: torch.Tensor, numerics: GemmNumerics, cache: WeightC
     if isinstance(weight, QuantizedWeightTensor):
         if weight.format != numerics.format:
             raise _mismatch(weight, numerics, context)
+        if _scale_rule(weight.quantizer) != _scale_rule(numerics.quantizers[QuantizationRole.WEIGHT_FWD]):
+            return _quantize(_high_precision_for_rule_change(weight, numerics, context), numerics, context)
         # col: selected in backward (``col_operand``); an FSDP2 forward gather may bring row only.
         return WeightOperands(weight.select("row"), None)
     if cache is None:
         return _quantize(weight, numerics, context)
     return cache.get(weight, numerics, context, is_first_microbatch=is_first_microbatch)
+
+
+def _scale_rule(quantizer) -> str | None:
+    """The MXFP8 E8M0 scale rule of a quantizer (None for formats without one)."""
+    return getattr(quantizer, "scale_alg", None)
+
+
+def _high_precision_for_rule_change(weight: QuantizedWeightTensor, numerics: GemmNumerics,
+                                    context: GemmContext) -> torch.Tensor:
+    """The value to re-quantize a weight of another scale rule from: its preserved high-precision
+    value, if that still quantizes (under the weight's own rule) to the stored row payload, i.e.
+    the weight has not changed since; else ``LowPrecisionUnavailableError`` naming both rules."""
+    have, want = _scale_rule(weight.quantizer), _scale_rule(numerics.quantizers[QuantizationRole.WEIGHT_FWD])
+    getter = getattr(weight, "get_high_precision_init_val", None)
+    value = getter() if callable(getter) else None
+    if value is None:
+        why = ("it has no high-precision value to re-quantize from (build it under this recipe, or keep "
+               "one with quantized_model_init(preserve_high_precision_init_val=True))")
+    else:
+        value = value.to(device=weight.device, dtype=weight.dtype)
+        stored, again = weight.select("row"), to_canonical(weight.quantizer.quantize(value, orientation="row"))
+        if torch.equal(again.scale, stored.scale) and torch.equal(again.data.view(torch.uint8), stored.data.view(torch.uint8)):
+            return value
+        why = "its preserved high-precision value no longer quantizes to it (the weight changed since)"
+    raise LowPrecisionUnavailableError(
+        f"{context.name}: weight {list(weight.shape)} was quantized with MXFP8 scale_alg={have!r} but the recipe "
+        f"({type(numerics.recipe).__name__}) computes scale_alg={want!r}, and {why}; quantize the weights and "
+        "run autocast with the same scale rule")
 
 
 def _mismatch(weight: QuantizedWeightTensor, numerics: GemmNumerics, context: GemmContext) -> Exception:
