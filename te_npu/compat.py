@@ -66,6 +66,7 @@ __all__ = [
     "in_autograd_backward",
     "disabled_torch_function_impl",
     "make_wrapper_subclass",
+    "parse_to_args",
     "grouped_mm",
     "grouped_mm_available",
     "tree_map",
@@ -96,6 +97,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C", "_current_graph_task_id"),
     ("torch._C", "_disabled_torch_function_impl"),
     ("torch", "Tensor._make_wrapper_subclass"),
+    ("torch._C._nn", "_parse_to"),
     ("torch", "_grouped_mm"),
     ("torch.utils._pytree", "tree_map"),
     ("torch._dynamo.config", "recompile_limit"),
@@ -145,6 +147,19 @@ def make_wrapper_subclass(cls: type, shape, *, dtype: torch.dtype, device: torch
     (the standard construction of a wrapper tensor subclass)."""
     return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device,
                                                requires_grad=requires_grad)
+
+
+def parse_to_args(*args, **kwargs) -> tuple[torch.device | None, torch.dtype | None, bool, bool]:
+    """``(device, dtype, non_blocking, copy)`` of a ``Tensor.to(...)`` call, every overload
+    (``to(dtype)``, ``to(device, dtype)``, ``to(other)``; positional or keyword ``copy``)."""
+    copy = kwargs.pop("copy", False)
+    bools = 0
+    while bools < len(args) and isinstance(args[len(args) - 1 - bools], bool):
+        bools += 1
+    if bools == 2:  # (..., non_blocking, copy)
+        copy, args = args[-1], args[:-1]
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype, non_blocking, copy
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor, out_dtype: torch.dtype | None = None

@@ -9,7 +9,10 @@ reads the weight through ``select`` returns a plain ``[N, K]`` gradient for it.
 The weight is derived state: it is (re)built from a high-precision master by the
 quantizers (``refresh_from_master``), never by math written here. ``__torch_dispatch__``
 looks each aten op up in a per-class handler table (``implements``); an op without a
-handler raises ``NotImplementedError`` naming it. The handlers here are the shape/storage
+handler follows Transformer Engine's ``QuantizedTensor`` fallback (``te_npu.tensor.weight_fallback``:
+it runs on the dequantized values and emits an event; a view or a write raises naming it). As
+in TE, ``float()`` / ``to(dtype)`` / ``cpu()`` / ``numpy()`` return high-precision values (a
+device move alone, ``to(device)``, keeps the payload). The handlers here are the shape/storage
 ops that ``nn.Module``, ``nn.Parameter``, state dicts, ``copy.deepcopy`` and FSDP2's dim-0
 sharding send (each handler says who sends it); ``te_npu.tensor.weight_ops`` adds the listed
 reads (high-precision results), in-place updates (re-quantized) and factories that ordinary
@@ -38,7 +41,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from te_npu.compat import disabled_torch_function_impl, make_wrapper_subclass
+from te_npu.compat import disabled_torch_function_impl, make_wrapper_subclass, parse_to_args
+from te_npu.tensor.weight_fallback import fallback
 from te_npu.formats import Format, Orientation
 from te_npu.ops.operand import QuantizedOperand
 
@@ -278,9 +282,61 @@ class QuantizedWeightTensor(torch.Tensor):
         """The stored payload for one GEMM orientation, as an operand (no copy)."""
         raise NotImplementedError
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
-        """High-precision value of the weight (logical dtype unless ``dtype`` is given)."""
+    def _dequantize_weight(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """High-precision value of a weight of ``weight_shape`` (logical dtype unless ``dtype``)."""
         raise NotImplementedError
+
+    def _values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``dequantize`` without the autograd node (the aten handlers run below autograd)."""
+        if self.shape != self.weight_shape:
+            return self.rewrap(self._inner(), shape=self.weight_shape)._dequantize_weight(dtype).reshape(self.shape)
+        return self._dequantize_weight(dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+        """High-precision value of the weight, a plain tensor of ``shape`` (logical dtype unless
+        ``dtype`` is given); on the flat view (``view(-1)``: FSDP2, ``parameters_to_vector``) the
+        weight's values flattened. Differentiable, as TE's: the gradient reaches the weight in its
+        logical dtype."""
+        if self.requires_grad and torch.is_grad_enabled():
+            return _Dequantize.apply(self, dtype)
+        return self._values(dtype)
+
+    # ---- TE's QuantizedTensor conversions: each gives a plain high-precision tensor --------------
+
+    def float(self) -> torch.Tensor:  # type: ignore[override]
+        """``dequantize(torch.float32)`` (also on an FP32-logical weight, as in TE)."""
+        return self.dequantize(torch.float32)
+
+    def bfloat16(self) -> torch.Tensor:  # type: ignore[override]
+        """``dequantize(torch.bfloat16)``."""
+        return self.dequantize(torch.bfloat16)
+
+    def half(self) -> torch.Tensor:  # type: ignore[override]
+        """``dequantize(torch.float16)``."""
+        return self.dequantize(torch.float16)
+
+    def double(self) -> torch.Tensor:  # type: ignore[override]
+        """``dequantize(torch.float64)``."""
+        return self.dequantize(torch.float64)
+
+    def cpu(self, memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:  # type: ignore[override]
+        """The dequantized weight on the CPU (a plain tensor: ``w.cpu().numpy()`` works); to move
+        the 8-bit payload itself, ``w.to("cpu")``."""
+        return self.dequantize().cpu(memory_format=memory_format)
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        """The dequantized weight as a NumPy array (logical dtype)."""
+        return self.dequantize().numpy(force=force)
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        """``to(dtype)`` / ``to(device, dtype)`` / ``to(other)``: the dequantized weight in that
+        dtype (a plain tensor, also when it is the logical dtype); a device move alone
+        (``to(device)``, ``module.to(device)``) keeps the quantized payload and class."""
+        device, dtype, non_blocking, _ = parse_to_args(*args, **dict(kwargs))
+        if dtype is None:
+            return super().to(*args, **kwargs)
+        memory_format = kwargs.get("memory_format", torch.preserve_format)
+        return self.dequantize(dtype).to(device=device, non_blocking=non_blocking, memory_format=memory_format)
 
     # ---- shared machinery -----------------------------------------------------------------------
 
@@ -342,8 +398,8 @@ class QuantizedWeightTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         handler = next((k.__dict__["_handlers"][func] for k in cls.__mro__ if func in k.__dict__.get("_handlers", ())), None)
-        if handler is None:
-            raise NotImplementedError(f"{cls.__name__} does not support {func}")
+        if handler is None:  # TE's fallback: dequantize; views and writes raise (weight_fallback)
+            return fallback(QuantizedWeightTensor, cls, func, args, kwargs or {})
         return handler(func, args, kwargs or {})
 
     # Pickling (torch.save of a module / state dict): rebuild from the inner tensors. Only plain
@@ -363,6 +419,19 @@ class QuantizedWeightTensor(torch.Tensor):
                 getattr(self, "_is_param", False),
             ),
         )
+
+
+class _Dequantize(torch.autograd.Function):
+    """``w.dequantize(dtype)`` under autograd: the identity on the logical values."""
+
+    @staticmethod
+    def forward(ctx, weight: QuantizedWeightTensor, dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.logical_dtype = weight.dtype
+        return weight._values(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.logical_dtype), None
 
 
 def _rebuild_quantized_weight(format_name, inner, shape, logical_dtype, quantizer_fields, requires_grad, is_param):
@@ -549,8 +618,7 @@ def _copy_(func, args, kwargs):
     if list(src.shape) != list(dst.shape):
         raise ValueError(f"copy_: shape {list(src.shape)} does not match {type(dst).__name__} {list(dst.shape)}")
     if not isinstance(dst, QuantizedWeightTensor):
-        src._require_weight_shape(func)
-        return dst.copy_(src.dequantize(dst.dtype if dst.is_floating_point() else None))
+        return dst.copy_(src._values(dst.dtype if dst.is_floating_point() else None))
     if type(src) is type(dst):
         for name in dst._inner_fields:
             getattr(dst, name).copy_(getattr(src, name))
@@ -582,7 +650,7 @@ def _to_copy(func, args, kwargs):
     move = {k: kwargs[k] for k in ("device", "non_blocking") if kwargs.get(k) is not None}
     if dtype is not None and dtype != self.dtype:
         self._require_weight_shape(func)
-        return self.dequantize(dtype).to(**move)
+        return self._values(dtype).to(**move)
     pin = kwargs.get("pin_memory")
     out = self._map_inner(lambda t: t.to(copy=True, **move))
     return out._map_inner(lambda t: t.pin_memory()) if pin else out
