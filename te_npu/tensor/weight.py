@@ -572,6 +572,9 @@ def _slice(func, args, kwargs):
     # t.narrow(dim, start, length) / t[a:b]: FSDP2 copies a shard into its padded buffer.
     call = _bind(func, args, kwargs)
     self, dim, start, end, step = (call[k] for k in ("self", "dim", "start", "end", "step"))
+    if self.shape != self.weight_shape and step == 1 and slice(start, end).indices(self.numel())[:2] == (0, self.numel()):
+        # the whole flat view (DDP's broadcast bucket of one parameter: flat.narrow(0, 0, numel))
+        return self._rewrap({n: t.view(t.shape) for n, t in self._inner().items()}, shape=self.shape)
     self._require_weight_shape(func)
     dim = _slice_dim(dim, self.dim(), func, type(self).__name__)
     if step != 1:

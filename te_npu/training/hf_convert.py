@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from te_npu.compat import non_persistent_buffer_names
-from te_npu.distributed import checkpoint
-from te_npu.distributed.checkpoint import persistent_buffers
+from te_npu.distributed.storage import dcp as checkpoint
+from te_npu.distributed.storage.dcp import persistent_buffers
 from te_npu.distributed.checkpoint_lock import acquire_folder_lock
 from te_npu.distributed.checkpoint_metadata import SafeFileSystemReader
 from te_npu.distributed.hf_checkpoint import HFWriteReport, save_hf_weights

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from te_npu.distributed.checkpoint import persistent_buffers
+from te_npu.distributed.storage.dcp import persistent_buffers
 from te_npu.distributed.hf_checkpoint import (
     HFCheckpoint,
     HFReadReport,

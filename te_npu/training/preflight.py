@@ -2,7 +2,7 @@
 
 Each raises ``ConfigError`` naming the config key. The Trainer runs them at the start of
 ``setup`` (the data checks live with the data, ``te_npu.training.data.check_token_ids``; the
-checkpoint's own checks with the checkpoint, ``te_npu.distributed.checkpoint``): which step to
+checkpoint's own checks with the checkpoint, ``te_npu.distributed.storage.dcp``): which step to
 resume (``resume_target``), that no planned save replaces another run's step
 (``check_step_collisions``), and that the Hugging Face export replaces nothing but an earlier
 export of this run and can be written (``check_export_dir``).
@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from te_npu.distributed import checkpoint, checkpoint_folder
+from te_npu.distributed import checkpoint_folder
+from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.distributed.hf_checkpoint import export_owner
 from te_npu.errors import ConfigError
 

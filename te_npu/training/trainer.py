@@ -43,7 +43,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import te_npu
 from te_npu import events
-from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, checkpoint_folder, layer_units, shard_model
+from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint_folder, layer_units, shard_model
+from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.compat import default_store, local_tensor
 from te_npu.errors import ConfigError

@@ -386,7 +386,7 @@ def test_hf_start_names_a_damaged_file_in_one_line(hf_dir, tmp_path, st_data_dir
 def test_hf_to_dcp_refuses_a_folder_holding_a_run(hf_dir, tmp_path, st_data_dir):
     """The issue's case: step_0 written into a run's folder became its latest (resume: auto restarted from HF)."""
     from models.deepseek_v3.pretrain import DeepseekV3Task
-    from te_npu.distributed import checkpoint
+    from te_npu.distributed.storage import dcp as checkpoint
     from te_npu.training.hf_convert import hf_to_dcp
 
     cfg = _cfg("bf16", tmp_path, st_data_dir, "fsdp_config.dp_shard_size=1", "training.train_steps=2")
