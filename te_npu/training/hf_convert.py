@@ -94,6 +94,9 @@ def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool =
     with torch.device("meta"):
         model = task.build(cfg, param_dtype)
     hf_weights.check_initial_keys(hf, model, adapter)
+    note = hf_weights.left_out_note(hf, adapter)
+    if note and process_group.rank() == 0:
+        print(f"note: {note}", flush=True)
     _materialize_sharded_(model, _mesh())
     optimizer = MasterWeightOptimizer(model, lr=cfg.training.lr)  # no 8-bit weights: masters from the params
     lock = _claim_output(out)  # before any tensor is read: a refused folder fails in seconds

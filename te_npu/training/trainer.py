@@ -659,6 +659,9 @@ class Trainer:
         self.hf_read_report = report
         self._print_rank0(f" started from Hugging Face weights {checkpoint.path}: rank 0 read "
                           f"{report.bytes_read / 2**20:.1f} of {report.checkpoint_bytes / 2**20:.1f} MiB (its shards)")
+        note = hf_weights.left_out_note(checkpoint, self._hf_adapter)
+        if note:
+            self._print_rank0(f" note: {note}")
 
     def close(self) -> None:
         """Success path: close logs, release the checkpoint folder, end the subscriptions, and tear

@@ -122,7 +122,8 @@ def hf_job(tmp_path_factory, st_data_dir):
     return {"work": work, "hf": hf, "dirs": dirs, "ranks": ranks, "config": config}
 
 
-SOURCE_FIELDS = {"bos_token_id": 3, "eos_token_id": 4, "max_position_embeddings": 4096, "use_cache": True}
+SOURCE_FIELDS = {"bos_token_id": 3, "eos_token_id": 4, "max_position_embeddings": 4096, "use_cache": False,
+                 "num_nextn_predict_layers": 1}
 SOURCE_FILES = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.json": '{"model_max_length": 4096}'}
 
 
@@ -219,7 +220,7 @@ def test_hf_trainer_export_carries_the_sources_config_fields_and_files(hf_job):
     work, source = hf_job["work"], Path(hf_job["dirs"]["per_expert"])
     export = work / "fp32" / "ckpt" / "hf" / f"step_{STEPS}"
     config = json.loads((export / "config.json").read_text())
-    assert {k: config[k] for k in SOURCE_FIELDS} == SOURCE_FIELDS, config  # not the recipe's 0 / 1 / 512 / false
+    assert {k: config[k] for k in SOURCE_FIELDS} == SOURCE_FIELDS, config  # not the recipe's 0 / 1 / 512 / true / 0
     assert config["dtype"] == "float32" and config["num_hidden_layers"] == hf_job["config"].num_hidden_layers
     for name in [*SOURCE_FILES, "generation_config.json"]:
         assert (export / name).read_bytes() == (source / name).read_bytes(), name
