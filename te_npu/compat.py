@@ -69,6 +69,7 @@ __all__ = [
     "parse_to_args",
     "grouped_mm",
     "grouped_mm_available",
+    "grouped_mm_takes_dtype",
     "tree_map",
     "raise_dynamo_recompile_limits",
     "torch_dispatch_mode",
@@ -174,6 +175,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor, out_dtyp
 def grouped_mm_available() -> bool:
     """Whether this torch build has ``torch._grouped_mm`` (older releases do not)."""
     return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm_takes_dtype(t: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs on ``t``'s dtype where ``t`` lives: on a tensor without
+    data (meta, ``FakeTensor``: the capacity estimate) its meta kernel runs, which takes BF16 only
+    (``_meta_grouped_mm_common``: "Expected inputs of BF16 type", CUDA's rule), while the CPU
+    kernel itself takes FP32 / FP16 / BF16."""
+    return t.dtype == torch.bfloat16 or not holds_no_data(t)
 
 
 def tree_map(fn, tree):
