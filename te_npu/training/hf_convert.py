@@ -100,12 +100,15 @@ def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool =
     _materialize_sharded_(model, _mesh())
     optimizer = MasterWeightOptimizer(model, lr=cfg.training.lr)  # no 8-bit weights: masters from the params
     lock = _claim_output(out)  # before any tensor is read: a refused folder fails in seconds
+    saved = False
     try:
         hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and process_group.rank() == 0)
-        return checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA, lineage=checkpoint.new_lineage())
+        path = checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA, lineage=checkpoint.new_lineage())
+        saved = True
+        return path
     finally:
         if lock is not None:
-            lock.release()
+            lock.release(discard=not saved)  # a refused load leaves no lock file (nor a folder it created)
 
 
 def _claim_output(out: str):
@@ -118,7 +121,7 @@ def _claim_output(out: str):
             steps = checkpoint.list_steps(out)
             held = [f"step_{s}" for s in steps[-4:]] + (["latest"] if os.path.exists(os.path.join(out, "latest")) else [])
             if held:
-                lock.release()
+                lock.release(discard=True)
                 lock = None
                 raise ConfigError(f"--out: {out!r} already holds a run's checkpoints ({', '.join(held)}); a step_0 "
                                   "there would become that run's 'latest' (resume: auto would restart from the HF "

@@ -159,10 +159,14 @@ class Trainer:
     # ---- build -------------------------------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
         """Build everything in the spec's order; resume from the latest DCP checkpoint if asked.
-        If setup fails, the checkpoint folder's lock is released before the error propagates."""
+        If setup fails, the checkpoint folder's lock is released before the error propagates, and
+        a lock file (or folder) that this setup created is removed: a refused start leaves nothing."""
         try:
             return self._setup(cfg)
         except BaseException:
+            if self._lock is not None:
+                self._lock.release(discard=True)
+                self._lock = None
             self.abandon()
             raise
 

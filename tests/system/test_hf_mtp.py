@@ -120,5 +120,7 @@ def test_mtp_override_is_honoured_everywhere(transformers_dir, tmp_path, st_data
     try:
         with pytest.raises(ConfigError, match=rf"4 unexpected keys: \[model\.layers\.{layers}\.eh_proj\.weight"):
             trainer.setup(cfg)
+        # refused after the folder was locked: the lock file and the folder it created are gone
+        assert not Path(cfg.checkpoint.dir).exists(), list(Path(cfg.checkpoint.dir).iterdir())
     finally:
         trainer.close()
