@@ -41,7 +41,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from te_npu.compat import disabled_torch_function_impl, make_wrapper_subclass, parse_to_args
+from te_npu.compat import disabled_torch_function_impl, make_wrapper_subclass
+from te_npu.tensor.weight_conversions import HighPrecisionConversions
 from te_npu.tensor.weight_fallback import fallback
 from te_npu.formats import Format, Orientation
 from te_npu.ops.operand import QuantizedOperand
@@ -101,7 +102,7 @@ def implements(table: dict, *ops: Any) -> Callable[[Handler], Handler]:
     return decorator
 
 
-class QuantizedWeightTensor(torch.Tensor):
+class QuantizedWeightTensor(HighPrecisionConversions, torch.Tensor):
     """Base of ``MXFP8Tensor`` / ``HiF8Tensor``: logical weight metadata over 8-bit inner storage.
 
     Subclasses declare:
@@ -292,52 +293,6 @@ class QuantizedWeightTensor(torch.Tensor):
             return self.rewrap(self._inner(), shape=self.weight_shape)._dequantize_weight(dtype).reshape(self.shape)
         return self._dequantize_weight(dtype)
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
-        """High-precision value of the weight, a plain tensor of ``shape`` (logical dtype unless
-        ``dtype`` is given); on the flat view (``view(-1)``: FSDP2, ``parameters_to_vector``) the
-        weight's values flattened. Differentiable, as TE's: the gradient reaches the weight in its
-        logical dtype."""
-        if self.requires_grad and torch.is_grad_enabled():
-            return _Dequantize.apply(self, dtype)
-        return self._values(dtype)
-
-    # ---- TE's QuantizedTensor conversions: each gives a plain high-precision tensor --------------
-
-    def float(self) -> torch.Tensor:  # type: ignore[override]
-        """``dequantize(torch.float32)`` (also on an FP32-logical weight, as in TE)."""
-        return self.dequantize(torch.float32)
-
-    def bfloat16(self) -> torch.Tensor:  # type: ignore[override]
-        """``dequantize(torch.bfloat16)``."""
-        return self.dequantize(torch.bfloat16)
-
-    def half(self) -> torch.Tensor:  # type: ignore[override]
-        """``dequantize(torch.float16)``."""
-        return self.dequantize(torch.float16)
-
-    def double(self) -> torch.Tensor:  # type: ignore[override]
-        """``dequantize(torch.float64)``."""
-        return self.dequantize(torch.float64)
-
-    def cpu(self, memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:  # type: ignore[override]
-        """The dequantized weight on the CPU (a plain tensor: ``w.cpu().numpy()`` works); to move
-        the 8-bit payload itself, ``w.to("cpu")``."""
-        return self.dequantize().cpu(memory_format=memory_format)
-
-    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
-        """The dequantized weight as a NumPy array (logical dtype)."""
-        return self.dequantize().numpy(force=force)
-
-    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
-        """``to(dtype)`` / ``to(device, dtype)`` / ``to(other)``: the dequantized weight in that
-        dtype (a plain tensor, also when it is the logical dtype); a device move alone
-        (``to(device)``, ``module.to(device)``) keeps the quantized payload and class."""
-        device, dtype, non_blocking, _ = parse_to_args(*args, **dict(kwargs))
-        if dtype is None:
-            return super().to(*args, **kwargs)
-        memory_format = kwargs.get("memory_format", torch.preserve_format)
-        return self.dequantize(dtype).to(device=device, non_blocking=non_blocking, memory_format=memory_format)
-
     # ---- shared machinery -----------------------------------------------------------------------
 
     def _inner(self) -> dict[str, torch.Tensor]:
@@ -419,19 +374,6 @@ class QuantizedWeightTensor(torch.Tensor):
                 getattr(self, "_is_param", False),
             ),
         )
-
-
-class _Dequantize(torch.autograd.Function):
-    """``w.dequantize(dtype)`` under autograd: the identity on the logical values."""
-
-    @staticmethod
-    def forward(ctx, weight: QuantizedWeightTensor, dtype: torch.dtype | None) -> torch.Tensor:
-        ctx.logical_dtype = weight.dtype
-        return weight._values(dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.to(ctx.logical_dtype), None
 
 
 def _rebuild_quantized_weight(format_name, inner, shape, logical_dtype, quantizer_fields, requires_grad, is_param):
