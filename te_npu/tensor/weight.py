@@ -42,10 +42,10 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from te_npu.compat import disabled_torch_function_impl, make_wrapper_subclass
-from te_npu.tensor.weight_conversions import HighPrecisionConversions
-from te_npu.tensor.weight_fallback import fallback
 from te_npu.formats import Format, Orientation
 from te_npu.ops.operand import QuantizedOperand
+from te_npu.tensor.weight_conversions import HighPrecisionConversions
+from te_npu.tensor.weight_fallback import fallback
 
 __all__ = ["QuantizedWeightTensor", "ShardAlignment", "implements", "attach_high_precision_init_val"]
 
@@ -112,7 +112,7 @@ class QuantizedWeightTensor(HighPrecisionConversions, torch.Tensor):
     - ``_handlers``: their own aten table (format-specific entries; looked up before the
       base table along the MRO);
     - ``_inner_layout(shape, quantizer)``, ``_fill_zero_(self)``, ``_slice_dim0(start, stop)``,
-      ``_slice_last(start, stop)`` (2D only), ``_requantize_(hp)``, ``select``, ``dequantize``,
+      ``_slice_last(start, stop)`` (2D only), ``_requantize_(hp)``, ``select``, ``_dequantize_weight``,
       ``refresh_from_master``, ``from_high_precision``.
 
     ``_quantizer`` (a frozen quantizer, not a tensor) travels in the flatten context, so every
