@@ -12,9 +12,17 @@ from te_npu.errors import ConfigError, LowPrecisionUnavailableError
 from te_npu.formats import Format, QuantizationRole
 from te_npu.modules import TEGroupedLinear, TEGroupedSwiGLUExperts, TELinear, TEModule, assign_fqns
 from te_npu import events, functional, moe, recipe
-from te_npu.ops import is_hif8_available, is_mxfp8_available
+from te_npu.ops import (
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_hif8_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
 from te_npu.quantize_weights import quantize_weights_
 from te_npu.recipe import HiF8CurrentScalingRecipe, MXFP8BlockRecipe, recipe_from_config
+from te_npu import distributed  # TE's te.distributed (te.distributed.checkpoint), FSDP2, checkpoints
 
 __all__ = [
     "autocast",
@@ -24,6 +32,7 @@ __all__ = [
     "checkpoint",
     "recipe",
     "events",
+    "distributed",
     "is_autocast_enabled",
     "get_autocast_recipe",
     "ConfigError",
@@ -43,4 +52,8 @@ __all__ = [
     "quantize_weights_",
     "is_mxfp8_available",
     "is_hif8_available",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_nvfp4_available",
+    "is_bf16_available",
 ]

@@ -15,7 +15,8 @@ since, and saves bitwise the same operands:
 
 torch's own autocast and RNG state are replayed by ``torch.utils.checkpoint`` itself.
 
-Not the DCP module ``te_npu.distributed.checkpoint`` (model / optimizer checkpoints), and not
+Also exported as ``te_npu.distributed.checkpoint`` (TE's name, which Megatron calls). Not the
+DCP module ``te_npu.distributed.storage.dcp`` (model / optimizer checkpoints), and not
 ``te_npu.training.recompute`` (which applies this function to chosen layers).
 """
 from __future__ import annotations

@@ -66,8 +66,10 @@ __all__ = [
     "in_autograd_backward",
     "disabled_torch_function_impl",
     "make_wrapper_subclass",
+    "parse_to_args",
     "grouped_mm",
     "grouped_mm_available",
+    "grouped_mm_takes_dtype",
     "tree_map",
     "raise_dynamo_recompile_limits",
     "torch_dispatch_mode",
@@ -96,6 +98,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C", "_current_graph_task_id"),
     ("torch._C", "_disabled_torch_function_impl"),
     ("torch", "Tensor._make_wrapper_subclass"),
+    ("torch._C._nn", "_parse_to"),
     ("torch", "_grouped_mm"),
     ("torch.utils._pytree", "tree_map"),
     ("torch._dynamo.config", "recompile_limit"),
@@ -147,6 +150,19 @@ def make_wrapper_subclass(cls: type, shape, *, dtype: torch.dtype, device: torch
                                                requires_grad=requires_grad)
 
 
+def parse_to_args(*args, **kwargs) -> tuple[torch.device | None, torch.dtype | None, bool, bool]:
+    """``(device, dtype, non_blocking, copy)`` of a ``Tensor.to(...)`` call, every overload
+    (``to(dtype)``, ``to(device, dtype)``, ``to(other)``; positional or keyword ``copy``)."""
+    copy = kwargs.pop("copy", False)
+    bools = 0
+    while bools < len(args) and isinstance(args[len(args) - 1 - bools], bool):
+        bools += 1
+    if bools == 2:  # (..., non_blocking, copy)
+        copy, args = args[-1], args[:-1]
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype, non_blocking, copy
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor, out_dtype: torch.dtype | None = None
                ) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offs[, out_dtype=...])``: one GEMM per group of rows of ``a``
@@ -159,6 +175,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor, out_dtyp
 def grouped_mm_available() -> bool:
     """Whether this torch build has ``torch._grouped_mm`` (older releases do not)."""
     return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm_takes_dtype(t: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs on ``t``'s dtype where ``t`` lives: on a tensor without
+    data (meta, ``FakeTensor``: the capacity estimate) its meta kernel runs, which takes BF16 only
+    (``_meta_grouped_mm_common``: "Expected inputs of BF16 type", CUDA's rule), while the CPU
+    kernel itself takes FP32 / FP16 / BF16."""
+    return t.dtype == torch.bfloat16 or not holds_no_data(t)
 
 
 def tree_map(fn, tree):

@@ -10,17 +10,18 @@
 
 Every event is a frozen dataclass below; each has exactly one producer:
 
-======================  =================================================  ==============================================
-event                   emitted by                                         when
-======================  =================================================  ==============================================
-``QuantEvent``          ``te_npu.ops`` quantize entry points               every quantization call (kernel level)
-``OperandEvent``        ``te_npu.functional`` (TE modules' GEMMs)          every 8-bit operand a GEMM asks for: module, role
-``GemmEvent``           ``te_npu.ops`` GEMM entry points                   every 8-bit GEMM (fprop / dgrad / wgrad)
-``FSDPGatherEvent``     ``te_npu.distributed`` FSDP2 extension             every all-gather of one quantized weight
-``WeightRefreshEvent``  ``te_npu.distributed.MasterWeightOptimizer``       each 8-bit weight shard refreshed from its master
-``OptimizerStepEvent``  ``te_npu.distributed.MasterWeightOptimizer``       every ``step()``: updated, or skipped
-``StepBeginEvent``      ``te_npu.training.trainer.Trainer.train_step``     before each optimizer step's first micro-batch
-======================  =================================================  ==============================================
+===========================  ===============================================  =================================================
+event                        emitted by                                       when
+===========================  ===============================================  =================================================
+``QuantEvent``               ``te_npu.ops`` quantize entry points             every quantization call (kernel level)
+``OperandEvent``             ``te_npu.functional`` (TE modules' GEMMs)        every 8-bit operand a GEMM asks for: module, role
+``GemmEvent``                ``te_npu.ops`` GEMM entry points                 every 8-bit GEMM (fprop / dgrad / wgrad)
+``FSDPGatherEvent``          ``te_npu.distributed`` FSDP2 extension           every all-gather of one quantized weight
+``WeightRefreshEvent``       ``te_npu.distributed.MasterWeightOptimizer``     each 8-bit weight shard refreshed from its master
+``OptimizerStepEvent``       ``te_npu.distributed.MasterWeightOptimizer``     every ``step()``: updated, or skipped
+``StepBeginEvent``           ``te_npu.training.trainer.Trainer.train_step``   before each optimizer step's first micro-batch
+``DequantizeFallbackEvent``  ``te_npu.tensor`` (quantized weights' dispatch)  an op without a handler ran on dequantized values
+===========================  ===============================================  =================================================
 
 Cost. With nobody subscribed a producer pays one truth test of a module-level tuple
 (``has_subscribers``) and builds nothing; with subscribers, only events somebody asked for are
@@ -61,6 +62,7 @@ __all__ = [
     "OptimizerStepEvent",
     "StepBeginEvent",
     "SetupStepEvent",
+    "DequantizeFallbackEvent",
 ]
 
 
@@ -220,6 +222,24 @@ class SetupStepEvent:
     ``"initial values"``): what a memory tracker files the bytes of setup under."""
 
     name: str
+
+
+# ---- quantized weights (te_npu.tensor) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DequantizeFallbackEvent:
+    """An aten op with no handler of its own ran on a quantized weight's dequantized values
+    (Transformer Engine's ``QuantizedTensor`` fallback): correct, but a full-precision copy of the
+    weight was made. The training path of TE modules never sends one (the Q3 tests assert zero).
+
+    op: the aten overload (``"aten.cat.default"``); tensor_type: ``"MXFP8Tensor"`` /
+    ``"HiF8Tensor"``; shapes: the logical shapes of the quantized arguments dequantized.
+    """
+
+    op: str
+    tensor_type: str
+    shapes: tuple[tuple[int, ...], ...]
 
 
 # ---- the stream --------------------------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 ``DeepseekV3Config`` carries only what the model implements. Fields that exist in HF
 configs but are not implemented here fail with a ``te_npu.ConfigError`` naming the field
-(tensor / expert parallel sizes > 1, MTP layers, rope scaling, tied embeddings, ...).
+(tensor / expert parallel sizes > 1, rope scaling, tied embeddings, ...). One is carried
+without being built: ``num_nextn_predict_layers`` (DeepSeek-V3's multi-token-prediction
+layers; transformers' default and the releases' value is 1). The main model is built and
+trained without them; an HF checkpoint's MTP tensors (``model.layers.{num_hidden_layers + i}.*``)
+are left out, said in one line; an export writes the field as its source had it.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from typing import Any, Mapping
 import te_npu
 
 __all__ = [
-    "DeepseekV3Config", "from_hf_config", "to_hf_config_dict", "DSV3_16B", "DSV3_TINY", "DSV3_16B_NUM_PARAMS",
+    "DeepseekV3Config", "from_hf_config", "to_hf_config_dict", "TRANSFORMERS_VERSION", "DSV3_16B", "DSV3_TINY", "DSV3_16B_NUM_PARAMS",
     "expected_low_precision_scope", "expected_parameter_shapes", "validate_16b",
 ]
 
@@ -81,8 +85,8 @@ def _fail(field: str, value: Any, why: str) -> None:
 
 def _check_supported(c: DeepseekV3Config) -> None:
     """Reject configurations the model does not implement, naming the field."""
-    if c.num_nextn_predict_layers:
-        _fail("num_nextn_predict_layers", c.num_nextn_predict_layers, "MTP layers are not implemented (use 0)")
+    if not isinstance(c.num_nextn_predict_layers, int) or c.num_nextn_predict_layers < 0:
+        _fail("num_nextn_predict_layers", c.num_nextn_predict_layers, "must be an integer >= 0")
     scaling = dict(c.rope_scaling or {})
     if c.rope_scaling is not None and scaling.get("rope_type", scaling.get("type")) != "default":
         _fail("rope_scaling", c.rope_scaling, "only default RoPE is implemented (no yarn / mscale)")
@@ -162,12 +166,29 @@ def from_hf_config(
     return DeepseekV3Config(**kwargs)
 
 
+TRANSFORMERS_VERSION = "5.24.0"
+"""The transformers release whose ``DeepseekV3Config`` (``configuration_deepseek_v3.py``) the
+fields below were read from; an export without a source config.json names it."""
+
+
+def _transformers_only_fields(config: DeepseekV3Config) -> dict[str, Any]:
+    """transformers' ``DeepseekV3Config`` fields this model does not carry: derived ones
+    (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``, ``head_dim = qk_rope_head_dim``, as
+    transformers sets them) and the rest at transformers' defaults (``use_cache`` True: a
+    generation setting, nothing this training code reads)."""
+    return {"qk_head_dim": config.qk_head_dim, "head_dim": config.qk_rope_head_dim, "output_router_logits": False,
+            "pretraining_tp": 1, "use_cache": True, "transformers_version": TRANSFORMERS_VERSION}
+
+
 def to_hf_config_dict(config: DeepseekV3Config, dtype: str = "float32") -> dict[str, Any]:
-    """The ``config.json`` that HF ``DeepseekV3ForCausalLM.from_pretrained`` reads."""
+    """The ``config.json`` that HF ``DeepseekV3ForCausalLM.from_pretrained`` reads: every field
+    transformers' ``DeepseekV3Config`` writes (the model's values, transformers' defaults for the
+    fields it does not carry; an export from an HF start lays its source's fields over these)."""
     out = {f.name: getattr(config, f.name) for f in fields(config)}
     out.pop("rope_theta"), out.pop("rope_scaling")
-    out.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", dtype=dtype, use_cache=False,
-               rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+    out.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", dtype=dtype,
+               rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+               **_transformers_only_fields(config))
     return out
 
 

@@ -30,7 +30,7 @@ from te_npu.distributed.hf_checkpoint import load_hf_weights, open_hf_checkpoint
 from te_npu.distributed.hf_layout import HFKeyMap, StackedExperts
 
 __all__ = [
-    "HF_KEY_MAP", "DeepseekV3HFAdapter", "to_hf_state_dict", "from_hf_state_dict", "load_hf_checkpoint",
+    "HF_KEY_MAP", "DeepseekV3HFAdapter", "mtp_key_map", "to_hf_state_dict", "from_hf_state_dict", "load_hf_checkpoint",
     "save_hf_checkpoint",
 ]
 
@@ -45,8 +45,10 @@ HF_KEY_MAP = HFKeyMap(
 )
 """Our FQN -> HF keys. Every other tensor's HF key is its own FQN."""
 
-# Fields that do not change the weights' meaning: a checkpoint may differ from the model here.
-_NON_ARCHITECTURE_FIELDS = frozenset({"initializer_range", "max_position_embeddings", "bos_token_id", "eos_token_id"})
+# Fields that do not change the weights' meaning: a checkpoint may differ from the model here
+# (num_nextn_predict_layers: the MTP layers are not built, so the main model is the same).
+_NON_ARCHITECTURE_FIELDS = frozenset({"initializer_range", "max_position_embeddings", "bos_token_id", "eos_token_id",
+                                      "num_nextn_predict_layers"})
 _PER_EXPERT_KEY = re.compile(
     r"^(?P<prefix>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
@@ -54,10 +56,9 @@ _PER_EXPERT_KEY = re.compile(
 class DeepseekV3HFAdapter:
     """te_npu's HF adapter (``te_npu.training.hf_weights.HFAdapter``) for one model config."""
 
-    key_map = HF_KEY_MAP
-
     def __init__(self, config: DeepseekV3Config) -> None:
         self.config = config
+        self.key_map = mtp_key_map(config)
 
     def config_json(self, dtype: torch.dtype) -> dict[str, Any]:
         """The ``config.json`` of an export in ``dtype``."""
@@ -72,6 +73,21 @@ class DeepseekV3HFAdapter:
                  if f.name not in _NON_ARCHITECTURE_FIELDS and getattr(theirs, f.name) != getattr(self.config, f.name)]
         if diffs:
             raise te_npu.ConfigError("config.json does not describe the model being trained: " + "; ".join(diffs))
+
+
+def mtp_key_map(config: DeepseekV3Config) -> HFKeyMap:
+    """``HF_KEY_MAP`` that leaves out the MTP layers ``model.layers.{num_hidden_layers + i}.*``
+    (``i < num_nextn_predict_layers``, as DeepSeek-V3's checkpoints number them): not built here,
+    so not read (transformers' ``DeepseekV3ForCausalLM`` does not load them either)."""
+    n, mtp = config.num_hidden_layers, config.num_nextn_predict_layers
+    if not mtp:
+        return HF_KEY_MAP
+    layers = "|".join(str(n + i) for i in range(mtp))
+    first = f"model.layers.{n}.*" if mtp == 1 else f"model.layers.{n}..{n + mtp - 1}.*"
+    return dataclasses.replace(
+        HF_KEY_MAP, left_out=(rf"^model\.layers\.({layers})\.",),
+        left_out_reason=f"num_nextn_predict_layers={mtp}: the MTP layer tensors ({first}) are not read, "
+                        "MTP is not trained (the main model is)")
 
 
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], *, per_expert: bool = False) -> dict[str, torch.Tensor]:
@@ -140,7 +156,7 @@ def load_hf_checkpoint(model: nn.Module, directory: str | os.PathLike) -> None:
         DeepseekV3HFAdapter(model.config).check_config(checkpoint.config)
     except te_npu.ConfigError as exc:
         raise te_npu.ConfigError(f"{where}: {exc}") from None
-    load_hf_weights(checkpoint, model.state_dict(), HF_KEY_MAP, where=where)
+    load_hf_weights(checkpoint, model.state_dict(), mtp_key_map(model.config), where=where)
 
 
 def save_hf_checkpoint(model: nn.Module, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,

@@ -1,9 +1,14 @@
 """FSDP2, FP32-master optimizer and DCP checkpoints for models with 8-bit TE weights.
 
+``checkpoint`` is Transformer Engine's ``te.distributed.checkpoint``: the activation checkpoint
+(``te_npu.checkpoint``). The DCP checkpoints (model / optimizer on disk) are
+``te_npu.distributed.storage.dcp``.
+
 Importing this package installs the FSDP2 all-gather extension on ``MXFP8Tensor`` and
 ``HiF8Tensor`` (the tensor layer imports nothing from here).
 """
-from te_npu.distributed import checkpoint
+from te_npu.activation_checkpoint import checkpoint  # TE's te.distributed.checkpoint (activation recompute)
+from te_npu.distributed import storage
 from te_npu.distributed.fsdp import (
     FSDPGatherContext,
     HiF8GatherSchema,
@@ -33,6 +38,7 @@ install_fsdp_extension(HiF8Tensor, HiF8GatherSchema())
 
 __all__ = [
     "checkpoint",
+    "storage",
     "FSDPGatherContext",
     "MXFP8GatherSchema",
     "HiF8GatherSchema",

@@ -145,7 +145,7 @@ def resolve_latest(directory: str | os.PathLike, *, pending: bool = False) -> st
         raise ConfigError(f"{directory!r} holds {_names(steps)} but no 'latest' marker (deleted?): name the step "
                           f"to load (checkpoint.load_step={steps[-1]} for the newest)")
     raise ConfigError(f"{directory!r} is not a te_npu DCP checkpoint (no 'latest' marker, no step_N directory); "
-                      "only DCP checkpoints written by te_npu.distributed.checkpoint.save load")
+                      "only DCP checkpoints written by te_npu.distributed.storage.dcp.save load")
 
 
 def pending_step(directory: str | os.PathLike) -> str | None:

@@ -38,26 +38,41 @@ class FolderLock:
     fd: int
     holder: dict
     stale_holder: dict | None = None
+    created_file: bool = False
+    created_dir: bool = False
 
-    def release(self) -> None:
-        """Mark the file released and drop the lock (idempotent)."""
+    def release(self, *, discard: bool = False) -> None:
+        """Mark the file released and drop the lock (idempotent). ``discard`` (a job that failed
+        before writing anything): a lock file this lock created is removed instead, and the
+        folder too when this lock created it and nothing else is in it, so a refused start leaves
+        the disk as it found it."""
         if self.fd < 0:
             return
         try:
-            _write(self.fd, {**self.holder, "released": _now()})
+            if discard and self.created_file:
+                os.unlink(self.path)  # before the close: no other job can take this file's lock meanwhile
+            else:
+                _write(self.fd, {**self.holder, "released": _now()})
         except OSError:
             pass  # the lock goes with the descriptor either way
         finally:
             os.close(self.fd)  # closing the only descriptor releases the POSIX lock
             self.fd = -1
+        if discard and self.created_dir:
+            try:
+                os.rmdir(os.path.dirname(self.path))  # only if empty
+            except OSError:
+                pass
 
 
 def acquire_folder_lock(directory: str, *, key: str = "checkpoint.dir") -> FolderLock:
     """Create ``directory`` if needed and lock it for this process, or raise ``ConfigError``
     naming the holder (``key`` is the config field the message names)."""
     try:
+        created_dir = not os.path.isdir(directory)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_NAME)
+        created_file = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise ConfigError(f"{key}: cannot create the lock file in {directory!r}: {exc.strerror or exc}") from None
@@ -79,7 +94,7 @@ def acquire_folder_lock(directory: str, *, key: str = "checkpoint.dir") -> Folde
         os.close(fd)
         raise ConfigError(f"{key}: {directory!r} is not writable: {exc.strerror or exc}") from None
     stale = previous if previous and "pid" in previous and "released" not in previous else None
-    return FolderLock(path, fd, holder, stale)
+    return FolderLock(path, fd, holder, stale, created_file=created_file, created_dir=created_dir)
 
 
 def describe_holder(holder: dict | None) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "HFStoredTensor",
     "HF_READABLE_DTYPES",
     "plan_hf_read",
+    "left_out_note",
     "HFWriteEntry",
     "plan_hf_write",
 ]
@@ -83,10 +84,21 @@ class StackedExperts:
 @dataclass(frozen=True)
 class HFKeyMap:
     """A model family's HF naming: expert-stack rules, and FQNs (regex, ``re.search``) that an
-    export keeps in FP32 whatever dtype is asked (transformers keeps DeepSeek-V3's router FP32)."""
+    export keeps in FP32 whatever dtype is asked (transformers keeps DeepSeek-V3's router FP32).
+
+    left_out: HF keys (regex, ``re.search``) a checkpoint may hold that the model does not read
+    (DeepSeek-V3's MTP layers, ``model.layers.{num_hidden_layers + i}.*``); the reader skips them
+    instead of refusing them as unexpected, and ``left_out_note`` says which. left_out_reason:
+    why, in a few words (ends that note).
+    """
 
     stacked_experts: tuple[StackedExperts, ...] = ()
     keep_fp32: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
+    left_out_reason: str = ""
+
+    def is_left_out(self, key: str) -> bool:
+        return any(re.search(p, key) for p in self.left_out)
 
     def pieces(self, fqn: str, shape: Sequence[int]) -> list[HFPiece] | None:
         for rule in self.stacked_experts:
@@ -133,7 +145,7 @@ def plan_hf_read(
             expected[piece.key] = piece.shape
             if piece.key not in stored:
                 missing.append(piece.key)
-    unexpected = sorted(set(stored) - set(expected))
+    unexpected = sorted(k for k in set(stored) - set(expected) if not key_map.is_left_out(k))
     wrong_shape = [f"{k}: checkpoint {list(stored[k].shape)}, model {list(s)}"
                    for k, s in expected.items() if k in stored and tuple(stored[k].shape) != s]
     wrong_dtype = [f"{k}: {stored[k].dtype}" for k in expected
@@ -148,6 +160,21 @@ def plan_hf_read(
     if message:
         raise ConfigError(f"{where}: the checkpoint does not match the model: {message}")
     return plan
+
+
+def left_out_note(stored: Mapping[str, HFStoredTensor], key_map: HFKeyMap, *, where: str) -> str | None:
+    """One line naming the stored keys ``key_map`` leaves out (grouped by their first three name
+    parts, e.g. ``model.layers.61.*``) and why; None when the map leaves nothing out."""
+    if not key_map.left_out:
+        return None
+    keys = sorted(k for k in stored if key_map.is_left_out(k))
+    groups: dict[str, int] = {}
+    for key in keys:
+        prefix = ".".join(key.split(".")[:3]) + ".*"
+        groups[prefix] = groups.get(prefix, 0) + 1
+    what = (f"left out {len(keys)} tensor(s): " + ", ".join(f"{g} ({n})" for g, n in groups.items())
+            if keys else "the checkpoint holds none of them")
+    return f"{where}: {key_map.left_out_reason}; {what}"
 
 
 @dataclass(frozen=True)

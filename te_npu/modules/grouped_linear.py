@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from te_npu import functional as te_functional
-from te_npu.compat import grouped_mm, grouped_mm_available
+from te_npu.compat import grouped_mm, grouped_mm_available, grouped_mm_takes_dtype
 from te_npu.functional.dtypes import activation_dtype
 from te_npu.functional.main_grad import plain_gemm_into_main_grad, require_main_grad
 from te_npu.functional.operands import group_list_tensor
@@ -62,9 +62,11 @@ def _grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes
     bias ``[G, N]`` or None -> ``[T, N]``: one ``F.linear(x_g, weight[g], bias[g])`` per group.
 
     Without bias, torch's grouped GEMM where it runs (the same values as the per-group loop);
-    with bias (or a dtype torch's grouped GEMM lacks, float64), the loop, so the bias is added as
-    ``F.linear`` adds it (one rounding)."""
-    fused = grouped_mm_available() and x.device.type in ("cuda", "cpu") and x.dtype in _GROUPED_MM_DTYPES
+    with bias (or a dtype torch's grouped GEMM lacks: float64, and FP32 / FP16 on tensors without
+    data, whose meta kernel takes BF16 only), the loop, so the bias is added as ``F.linear`` adds
+    it (one rounding)."""
+    fused = (grouped_mm_available() and x.device.type in ("cuda", "cpu") and x.dtype in _GROUPED_MM_DTYPES
+             and grouped_mm_takes_dtype(x))
     if bias is None and fused:
         offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
         return _contiguous_grad(grouped_mm(x, weight.transpose(-2, -1), offs=offsets))

@@ -24,8 +24,18 @@ from te_npu.ops.quantize import (
     quantize_mxfp8_dual,
 )
 from te_npu.ops.registry import backend_for, force_backend
+from te_npu.ops.te_availability import (
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_nvfp4_available,
+)
 
 __all__ = [
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_nvfp4_available",
+    "is_bf16_available",
     "QuantizedOperand",
     "low_precision_matmul",
     "low_precision_grouped_matmul",

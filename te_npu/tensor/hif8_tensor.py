@@ -96,9 +96,8 @@ class HiF8Tensor(QuantizedWeightTensor):
             )
         return QuantizedOperand(self.qdata, self.scale, self.dtype, self.format, orientation)
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+    def _dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``decode(qdata) * scale`` in ``dtype`` (default: the logical dtype)."""
-        self._require_weight_shape("dequantize")
         return hif8.dequantize(self.qdata, self.scale).to(dtype or self.dtype)
 
     def shared_scale_amax(self, master_shard: torch.Tensor) -> torch.Tensor | None:

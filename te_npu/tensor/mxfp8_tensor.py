@@ -123,9 +123,8 @@ class MXFP8Tensor(QuantizedWeightTensor):
             "(torch.Tensor.select(dim, index) is not available on quantized weights)"
         )
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
+    def _dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Value of the row copy (the forward operand), in ``dtype`` (default: the logical dtype)."""
-        self._require_weight_shape("dequantize")
         value = mxfp8.dequantize(self.row_data, self.row_scale, axis=-1, block_size=self._quantizer.block_size)
         return value.to(dtype or self.dtype)
 

@@ -9,7 +9,10 @@ reads the weight through ``select`` returns a plain ``[N, K]`` gradient for it.
 The weight is derived state: it is (re)built from a high-precision master by the
 quantizers (``refresh_from_master``), never by math written here. ``__torch_dispatch__``
 looks each aten op up in a per-class handler table (``implements``); an op without a
-handler raises ``NotImplementedError`` naming it. The handlers here are the shape/storage
+handler follows Transformer Engine's ``QuantizedTensor`` fallback (``te_npu.tensor.weight_fallback``:
+it runs on the dequantized values and emits an event; a view or a write raises naming it). As
+in TE, ``float()`` / ``to(dtype)`` / ``cpu()`` / ``numpy()`` return high-precision values (a
+device move alone, ``to(device)``, keeps the payload). The handlers here are the shape/storage
 ops that ``nn.Module``, ``nn.Parameter``, state dicts, ``copy.deepcopy`` and FSDP2's dim-0
 sharding send (each handler says who sends it); ``te_npu.tensor.weight_ops`` adds the listed
 reads (high-precision results), in-place updates (re-quantized) and factories that ordinary
@@ -41,6 +44,8 @@ import torch
 from te_npu.compat import disabled_torch_function_impl, make_wrapper_subclass
 from te_npu.formats import Format, Orientation
 from te_npu.ops.operand import QuantizedOperand
+from te_npu.tensor.weight_conversions import HighPrecisionConversions
+from te_npu.tensor.weight_fallback import fallback
 
 __all__ = ["QuantizedWeightTensor", "ShardAlignment", "implements", "attach_high_precision_init_val"]
 
@@ -97,7 +102,7 @@ def implements(table: dict, *ops: Any) -> Callable[[Handler], Handler]:
     return decorator
 
 
-class QuantizedWeightTensor(torch.Tensor):
+class QuantizedWeightTensor(HighPrecisionConversions, torch.Tensor):
     """Base of ``MXFP8Tensor`` / ``HiF8Tensor``: logical weight metadata over 8-bit inner storage.
 
     Subclasses declare:
@@ -107,7 +112,7 @@ class QuantizedWeightTensor(torch.Tensor):
     - ``_handlers``: their own aten table (format-specific entries; looked up before the
       base table along the MRO);
     - ``_inner_layout(shape, quantizer)``, ``_fill_zero_(self)``, ``_slice_dim0(start, stop)``,
-      ``_slice_last(start, stop)`` (2D only), ``_requantize_(hp)``, ``select``, ``dequantize``,
+      ``_slice_last(start, stop)`` (2D only), ``_requantize_(hp)``, ``select``, ``_dequantize_weight``,
       ``refresh_from_master``, ``from_high_precision``.
 
     ``_quantizer`` (a frozen quantizer, not a tensor) travels in the flatten context, so every
@@ -278,9 +283,15 @@ class QuantizedWeightTensor(torch.Tensor):
         """The stored payload for one GEMM orientation, as an operand (no copy)."""
         raise NotImplementedError
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # type: ignore[override]
-        """High-precision value of the weight (logical dtype unless ``dtype`` is given)."""
+    def _dequantize_weight(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """High-precision value of a weight of ``weight_shape`` (logical dtype unless ``dtype``)."""
         raise NotImplementedError
+
+    def _values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``dequantize`` without the autograd node (the aten handlers run below autograd)."""
+        if self.shape != self.weight_shape:
+            return self.rewrap(self._inner(), shape=self.weight_shape)._dequantize_weight(dtype).reshape(self.shape)
+        return self._dequantize_weight(dtype)
 
     # ---- shared machinery -----------------------------------------------------------------------
 
@@ -342,8 +353,8 @@ class QuantizedWeightTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         handler = next((k.__dict__["_handlers"][func] for k in cls.__mro__ if func in k.__dict__.get("_handlers", ())), None)
-        if handler is None:
-            raise NotImplementedError(f"{cls.__name__} does not support {func}")
+        if handler is None:  # TE's fallback: dequantize; views and writes raise (weight_fallback)
+            return fallback(QuantizedWeightTensor, cls, func, args, kwargs or {})
         return handler(func, args, kwargs or {})
 
     # Pickling (torch.save of a module / state dict): rebuild from the inner tensors. Only plain
@@ -503,6 +514,9 @@ def _slice(func, args, kwargs):
     # t.narrow(dim, start, length) / t[a:b]: FSDP2 copies a shard into its padded buffer.
     call = _bind(func, args, kwargs)
     self, dim, start, end, step = (call[k] for k in ("self", "dim", "start", "end", "step"))
+    if self.shape != self.weight_shape and step == 1 and slice(start, end).indices(self.numel())[:2] == (0, self.numel()):
+        # the whole flat view (DDP's broadcast bucket of one parameter: flat.narrow(0, 0, numel))
+        return self._rewrap({n: t.view(t.shape) for n, t in self._inner().items()}, shape=self.shape)
     self._require_weight_shape(func)
     dim = _slice_dim(dim, self.dim(), func, type(self).__name__)
     if step != 1:
@@ -549,8 +563,7 @@ def _copy_(func, args, kwargs):
     if list(src.shape) != list(dst.shape):
         raise ValueError(f"copy_: shape {list(src.shape)} does not match {type(dst).__name__} {list(dst.shape)}")
     if not isinstance(dst, QuantizedWeightTensor):
-        src._require_weight_shape(func)
-        return dst.copy_(src.dequantize(dst.dtype if dst.is_floating_point() else None))
+        return dst.copy_(src._values(dst.dtype if dst.is_floating_point() else None))
     if type(src) is type(dst):
         for name in dst._inner_fields:
             getattr(dst, name).copy_(getattr(src, name))
@@ -582,7 +595,7 @@ def _to_copy(func, args, kwargs):
     move = {k: kwargs[k] for k in ("device", "non_blocking") if kwargs.get(k) is not None}
     if dtype is not None and dtype != self.dtype:
         self._require_weight_shape(func)
-        return self.dequantize(dtype).to(**move)
+        return self._values(dtype).to(**move)
     pin = kwargs.get("pin_memory")
     out = self._map_inner(lambda t: t.to(copy=True, **move))
     return out._map_inner(lambda t: t.pin_memory()) if pin else out

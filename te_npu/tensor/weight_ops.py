@@ -1,9 +1,9 @@
 """Aten handlers that let quantized weights meet ordinary PyTorch code (as TE's float8 tensors do).
 
 Registered into ``QuantizedWeightTensor``'s table (``te_npu.tensor.weight``), one small
-handler per kind of op, each for an explicit list of overloads; an op in no list still raises
-``NotImplementedError`` naming it (views, reshapes, transposes, indexing, matmuls: a copy
-would break their aliasing, so read ``weight.dequantize()`` explicitly).
+handler per kind of op, each for an explicit list of overloads; an op in no list takes TE's
+fallback (``te_npu.tensor.weight_fallback``: dequantized, with a ``DequantizeFallbackEvent``;
+views and writes raise naming the op).
 
 ==============  ==================================================================  ===========
 kind            what runs                                                           who sends it
@@ -15,6 +15,7 @@ update          dequantize, apply the op, re-quantize in place; warns once      
 re-initialise   the same, without the warning                                        ``nn.init.*_`` on ``param.data``, ``fill_``
 new-like        a plain high-precision tensor of the logical shape / dtype          optimizer state (``torch.zeros_like(param)``)
 convert         ``.to(dtype)`` / ``.float()`` / ``.bfloat16()``: ``dequantize(dtype)``    users, ``module.to(dtype)``
+                (Python-level methods of the weight class, as TE's)
 copy            ``_foreach_copy_``: each pair as ``copy_`` (re-quantize / same-class  optimizers' ``foreach`` state copies,
                 payload copy / dequantize into a plain tensor)                       checkpoint loaders
 broadcast       ``c10d.broadcast_``: every inner tensor broadcast from the root, so  ``dist.broadcast(param, src)`` (DDP's
@@ -89,7 +90,7 @@ _NEW_LIKE = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.def
 
 
 def _dequantized(value: Any) -> Any:
-    return value.dequantize() if isinstance(value, QuantizedWeightTensor) else value
+    return value._values() if isinstance(value, QuantizedWeightTensor) else value
 
 
 @implements(_table, *_READS)
@@ -107,11 +108,11 @@ def _update_in_place(func, args, kwargs):
     # Every quantized tensor written becomes its logical value, takes the op, and is
     # re-quantized into its own storage; quantized operands that are only read are dequantized
     # (``ema.add_(param)`` runs on the plain ``ema``).
-    values = {id(t): t.dequantize() for t in _written(args) if isinstance(t, QuantizedWeightTensor)}
+    values = {id(t): t._values() for t in _written(args) if isinstance(t, QuantizedWeightTensor)}
 
     def substitute(value):
         if isinstance(value, QuantizedWeightTensor):
-            return values[id(value)] if id(value) in values else value.dequantize()
+            return values[id(value)] if id(value) in values else value._values()
         return value
 
     func(*tree_map(substitute, args), **tree_map(substitute, kwargs))

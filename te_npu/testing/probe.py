@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from te_npu.events import (
+    DequantizeFallbackEvent,
     FSDPGatherEvent,
     GemmEvent,
     OptimizerStepEvent,
@@ -36,6 +37,7 @@ class STProbe:
     gather_records: list[tuple[int, FSDPGatherEvent]] = field(default_factory=list)
     refreshes: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
     step_updated: dict[int, bool] = field(default_factory=dict)
+    dequantize_fallbacks: list[tuple[int, DequantizeFallbackEvent]] = field(default_factory=list)
     current_step: int = -1
 
     # ---- recording (only appends) ------------------------------------------------------------
@@ -53,6 +55,8 @@ class STProbe:
             self.begin_optimizer_step(event.step)
         elif isinstance(event, OptimizerStepEvent):
             self.step_updated[self.current_step] = event.updated
+        elif isinstance(event, DequantizeFallbackEvent):
+            self.dequantize_fallbacks.append((self.current_step, event))
 
     def on_setup(self, model, low_precision_scope: list[str]) -> None:
         """Record every module's type and which FQNs are TE (8-bit) modules."""

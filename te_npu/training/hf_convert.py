@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from te_npu.compat import non_persistent_buffer_names
-from te_npu.distributed import checkpoint
-from te_npu.distributed.checkpoint import persistent_buffers
+from te_npu.distributed.storage import dcp as checkpoint
+from te_npu.distributed.storage.dcp import persistent_buffers
 from te_npu.distributed.checkpoint_lock import acquire_folder_lock
 from te_npu.distributed.checkpoint_metadata import SafeFileSystemReader
 from te_npu.distributed.hf_checkpoint import HFWriteReport, save_hf_weights
@@ -94,15 +94,21 @@ def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool =
     with torch.device("meta"):
         model = task.build(cfg, param_dtype)
     hf_weights.check_initial_keys(hf, model, adapter)
+    note = hf_weights.left_out_note(hf, adapter)
+    if note and process_group.rank() == 0:
+        print(f"note: {note}", flush=True)
     _materialize_sharded_(model, _mesh())
     optimizer = MasterWeightOptimizer(model, lr=cfg.training.lr)  # no 8-bit weights: masters from the params
     lock = _claim_output(out)  # before any tensor is read: a refused folder fails in seconds
+    saved = False
     try:
         hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and process_group.rank() == 0)
-        return checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA, lineage=checkpoint.new_lineage())
+        path = checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA, lineage=checkpoint.new_lineage())
+        saved = True
+        return path
     finally:
         if lock is not None:
-            lock.release()
+            lock.release(discard=not saved)  # a refused load leaves no lock file (nor a folder it created)
 
 
 def _claim_output(out: str):
@@ -115,7 +121,7 @@ def _claim_output(out: str):
             steps = checkpoint.list_steps(out)
             held = [f"step_{s}" for s in steps[-4:]] + (["latest"] if os.path.exists(os.path.join(out, "latest")) else [])
             if held:
-                lock.release()
+                lock.release(discard=True)
                 lock = None
                 raise ConfigError(f"--out: {out!r} already holds a run's checkpoints ({', '.join(held)}); a step_0 "
                                   "there would become that run's 'latest' (resume: auto would restart from the HF "

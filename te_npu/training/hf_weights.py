@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from te_npu.distributed.checkpoint import persistent_buffers
+from te_npu.distributed.storage.dcp import persistent_buffers
 from te_npu.distributed.hf_checkpoint import (
     HFCheckpoint,
     HFReadReport,
@@ -48,6 +48,7 @@ from te_npu.distributed.hf_checkpoint import (
     save_hf_weights,
 )
 from te_npu.distributed.hf_layout import HFKeyMap, plan_hf_read
+from te_npu.distributed.hf_layout import left_out_note as left_out_note_of
 from te_npu.distributed.optim import MasterWeightOptimizer
 from te_npu.errors import ConfigError
 
@@ -58,6 +59,7 @@ __all__ = [
     "open_initial_checkpoint",
     "check_initial_keys",
     "training_tensors",
+    "left_out_note",
     "load_initial_weights",
     "export_weights",
     "export_config",
@@ -106,6 +108,12 @@ def check_initial_keys(checkpoint: HFCheckpoint, model: nn.Module, adapter: HFAd
     """Every key and shape of ``checkpoint`` against ``model`` (meta is fine); ``ConfigError`` lists the misfits."""
     shapes = {fqn: tuple(t.shape) for fqn, t in {**dict(model.named_parameters()), **persistent_buffers(model)}.items()}
     plan_hf_read(shapes, checkpoint.stored, adapter.key_map, where=f"{_INITIAL} {checkpoint.path!r}")
+
+
+def left_out_note(checkpoint: HFCheckpoint, adapter: HFAdapter) -> str | None:
+    """One line naming the checkpoint's tensors the model does not read (``HFKeyMap.left_out``,
+    e.g. DeepSeek-V3's MTP layers) and why; None when the adapter leaves nothing out."""
+    return left_out_note_of(checkpoint.stored, adapter.key_map, where=f"{_INITIAL} {checkpoint.path!r}")
 
 
 def training_tensors(model: nn.Module, optimizer: MasterWeightOptimizer) -> dict[str, torch.Tensor]:

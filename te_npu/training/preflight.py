@@ -2,18 +2,20 @@
 
 Each raises ``ConfigError`` naming the config key. The Trainer runs them at the start of
 ``setup`` (the data checks live with the data, ``te_npu.training.data.check_token_ids``; the
-checkpoint's own checks with the checkpoint, ``te_npu.distributed.checkpoint``): which step to
+checkpoint's own checks with the checkpoint, ``te_npu.distributed.storage.dcp``): which step to
 resume (``resume_target``), that no planned save replaces another run's step
 (``check_step_collisions``), and that the Hugging Face export replaces nothing but an earlier
 export of this run and can be written (``check_export_dir``).
 """
 from __future__ import annotations
 
+import errno
 import os
 
 import torch
 
-from te_npu.distributed import checkpoint, checkpoint_folder
+from te_npu.distributed import checkpoint_folder
+from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.distributed.hf_checkpoint import export_owner
 from te_npu.errors import ConfigError
 
@@ -48,15 +50,65 @@ def check_device(device_type: str, local_rank: int, local_world_size: int) -> No
 
 
 def check_writable(directory: str, key: str) -> None:
-    """Create ``directory`` if needed and prove a file can be written in it (works for root too)."""
-    probe = os.path.join(directory, f".te_npu_write_test.{os.getpid()}")
+    """Create ``directory`` if needed and prove a file can be written in it (works for root too);
+    the ``ConfigError`` says which of the two failed and why (a virtual or read-only filesystem
+    is named: creating a file in ``/proc`` fails with ENOENT, which alone reads as a missing folder)."""
     try:
         os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{key}: {directory!r} is not writable: it cannot be created "
+                          f"({_reason(exc, _existing(directory))}{_at(exc, directory)}"
+                          f"{_filesystem_of(_existing(directory))})") from None
+    probe = os.path.join(directory, f".te_npu_write_test.{os.getpid()}")
+    try:
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
     except OSError as exc:
-        raise ConfigError(f"{key}: {directory!r} is not writable: {exc.strerror or exc}") from None
+        raise ConfigError(f"{key}: {directory!r} is not writable: no file can be created in it "
+                          f"({_reason(exc, directory)}{_filesystem_of(directory)})") from None
+
+
+def _reason(exc: OSError, existing_dir: str) -> str:
+    """``exc``'s reason; ENOENT inside a folder that exists (procfs, sysfs) is said as what it is."""
+    if exc.errno == errno.ENOENT and os.path.isdir(existing_dir):
+        return f"its filesystem refuses new entries in {existing_dir!r}, which exists (the OS answers ENOENT)"
+    return exc.strerror or str(exc)
+
+
+def _existing(directory: str) -> str:
+    """``directory``'s nearest existing ancestor (itself if it exists)."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _at(exc: OSError, directory: str) -> str:
+    """``: at <path>`` when the failing path is not ``directory`` itself (a parent)."""
+    where = exc.filename if isinstance(exc.filename, str) else None
+    return f": at {where!r}" if where and os.path.abspath(where) != os.path.abspath(directory) else ""
+
+
+def _filesystem_of(directory: str) -> str:
+    """``; it is on the <type> filesystem mounted at <dir>[, read-only]`` (Linux ``/proc/mounts``),
+    or "" where that cannot be read."""
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return ""
+    path = os.path.realpath(directory)
+    best = None
+    for fields in mounts:
+        if len(fields) >= 4:
+            point = fields[1].replace("\\040", " ")
+            if (path == point or path.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > len(best[1])):
+                best = (fields[2], point, "ro" in fields[3].split(","))
+    if best is None:
+        return ""
+    fstype, point, read_only = best
+    return f"; it is on the {fstype} filesystem mounted at {point}{', read-only' if read_only else ''}"
 
 
 def resume_target(c) -> str | None:

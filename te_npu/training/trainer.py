@@ -44,7 +44,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import te_npu
 from te_npu import events
 from te_npu.recipe import describe_recipe, recipe_change_note, recipe_record
-from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, checkpoint_folder, layer_units, shard_model
+from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint_folder, layer_units, shard_model
+from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.compat import default_store, local_tensor
 from te_npu.errors import ConfigError
@@ -159,10 +160,14 @@ class Trainer:
     # ---- build -------------------------------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
         """Build everything in the spec's order; resume from the latest DCP checkpoint if asked.
-        If setup fails, the checkpoint folder's lock is released before the error propagates."""
+        If setup fails, the checkpoint folder's lock is released before the error propagates, and
+        a lock file (or folder) that this setup created is removed: a refused start leaves nothing."""
         try:
             return self._setup(cfg)
         except BaseException:
+            if self._lock is not None:
+                self._lock.release(discard=True)
+                self._lock = None
             self.abandon()
             raise
 
@@ -665,6 +670,9 @@ class Trainer:
         self.hf_read_report = report
         self._print_rank0(f" started from Hugging Face weights {checkpoint.path}: rank 0 read "
                           f"{report.bytes_read / 2**20:.1f} of {report.checkpoint_bytes / 2**20:.1f} MiB (its shards)")
+        note = hf_weights.left_out_note(checkpoint, self._hf_adapter)
+        if note:
+            self._print_rank0(f" note: {note}")
 
     def close(self) -> None:
         """Success path: close logs, release the checkpoint folder, end the subscriptions, and tear

@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing import ProcessExitedException
 
 from te_npu import ConfigError
-from te_npu.distributed import MasterWeightOptimizer, checkpoint, checkpoint_folder, shard_model
+from te_npu.distributed import MasterWeightOptimizer, checkpoint_folder, shard_model
+from te_npu.distributed.storage import dcp as checkpoint
 from tests.distributed.harness import batch, build, loss_of, run_ranks
 
 SAVE_AT, MORE = 2, 5

@@ -83,3 +83,19 @@ def test_checkpoint_lock_names_the_kernels_holder_when_the_record_is_wrong(tmp_p
     finally:
         os.write(release, b"1")
         os.waitpid(pid, 0)
+
+
+def test_checkpoint_lock_discarded_by_a_refused_start_leaves_the_disk_as_found(tmp_path):
+    """A job that fails before writing anything removes the lock file and the folder it created;
+    a lock file (or folder) that was there before stays, marked released."""
+    new = tmp_path / "new" / "ckpt"
+    acquire_folder_lock(str(new)).release(discard=True)
+    assert not new.exists() and (tmp_path / "new").is_dir()  # only what the lock created is removed
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    acquire_folder_lock(str(kept)).release(discard=True)
+    assert sorted(os.listdir(kept)) == ["notes.txt"]
+    acquire_folder_lock(str(kept)).release()  # a normal end: the file stays, marked released
+    acquire_folder_lock(str(kept)).release(discard=True)  # not created by this lock: kept, marked
+    assert "released" in json.loads((kept / LOCK_NAME).read_text())

@@ -109,3 +109,27 @@ def test_hf_layout_16b_save_pretrained_keys_fit_the_16b_model():
     DeepseekV3HFAdapter(DSV3_16B).check_config({**to_hf_config_dict(DSV3_16B), "max_position_embeddings": 163840})
     with pytest.raises(ConfigError, match=r"kv_lora_rank = 512 \(the model has 3072\)"):
         DeepseekV3HFAdapter(DSV3_16B).check_config({**to_hf_config_dict(DSV3_16B), "kv_lora_rank": 512})
+
+
+def test_mtp_layers_are_left_out_and_named_in_one_line():
+    """DeepSeek-V3's MTP layer (``model.layers.{num_hidden_layers}.*`` for num_nextn_predict_layers=1)
+    is skipped instead of refused as unexpected; the note names it and says MTP is not trained."""
+    from models.deepseek_v3.config import DSV3_TINY
+    from models.deepseek_v3.hf_mapping import mtp_key_map
+    from te_npu.distributed.hf_layout import left_out_note
+
+    config = DSV3_TINY.replace(num_hidden_layers=2, num_nextn_predict_layers=1)
+    key_map = mtp_key_map(config)
+    mtp = {"model.layers.2.eh_proj.weight": (D, 2 * D), "model.layers.2.enorm.weight": (D,)}
+    stored = _stored({**_per_expert(), **mtp, "model.layers.3.enorm.weight": (D,)})
+    with pytest.raises(ConfigError, match=r"1 unexpected keys: \[model\.layers\.3\.enorm\.weight\]"):
+        plan_hf_read(SHAPES, stored, key_map, where="x")  # only the config's MTP layer is left out
+    stored.pop("model.layers.3.enorm.weight")
+    plan_hf_read(SHAPES, stored, key_map, where="x")
+    note = left_out_note(stored, key_map, where="ckpt")
+    assert note == ("ckpt: num_nextn_predict_layers=1: the MTP layer tensors (model.layers.2.*) are not read, MTP is "
+                    "not trained (the main model is); left out 2 tensor(s): model.layers.2.* (2)")
+    assert left_out_note(_stored(_per_expert()), key_map, where="ckpt").endswith("the checkpoint holds none of them")
+    assert left_out_note(stored, mtp_key_map(DSV3_TINY), where="ckpt") is None  # no MTP layers: nothing said
+    with pytest.raises(ConfigError, match="2 unexpected keys"):
+        plan_hf_read(SHAPES, stored, mtp_key_map(config.replace(num_nextn_predict_layers=0)), where="x")

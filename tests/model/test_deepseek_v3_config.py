@@ -36,7 +36,7 @@ def test_config_tiny_dims_are_multiples_of_64():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("num_nextn_predict_layers", 1), ("num_mtp_layers", 1), ("tie_word_embeddings", True), ("ep_size", 8),
+    ("num_nextn_predict_layers", -1), ("num_mtp_layers", -1), ("tie_word_embeddings", True), ("ep_size", 8),
     ("pretraining_tp", 2), ("scoring_func", "softmax"), ("hidden_act", "gelu"), ("rope_interleave", False),
     ("rope_parameters", {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}),
     ("rope_scaling", {"type": "yarn", "factor": 40.0}), ("num_key_value_heads", 8), ("quantization_config", {}),
@@ -72,8 +72,8 @@ def test_model_section_hf_override_fields_exist_in_transformers():
 
 
 @pytest.mark.parametrize(("override", "match"), [
-    ("model.overrides.num_nextn_predict_layers=1", r"model \(model\.preset 'dsv3_tiny' \+ model\.overrides\): "
-                                                   r"DeepseekV3Config\.num_nextn_predict_layers=1: MTP"),
+    ("model.overrides.num_nextn_predict_layers=-1", r"model \(model\.preset 'dsv3_tiny' \+ model\.overrides\): "
+                                                    r"DeepseekV3Config\.num_nextn_predict_layers=-1: must be"),
     ("model.overrides.tie_word_embeddings=true", r"DeepseekV3Config\.tie_word_embeddings=True"),
     ("model.overrides.hidden_act=gelu", r"DeepseekV3Config\.hidden_act='gelu'"),
     ("model.overrides.n_group=3", r"DeepseekV3Config\.n_group=3: must divide n_routed_experts=8"),
@@ -100,3 +100,27 @@ def test_model_section_resolves_to_the_model_config():
     assert cfg.model.validate_16b is False and cfg.model.model_config() == model_config(cfg)
     # a config loaded without the section: the task applies it on first use
     assert model_config(load_config(TINY_RECIPE)) == DSV3_TINY
+
+
+def test_hf_config_dict_writes_every_field_of_transformers_deepseek_v3_config():
+    """An export without a source config.json (the converter's dcp-to-hf) writes every field
+    transformers' DeepseekV3Config defines: the model's values, transformers' defaults for the rest."""
+    transformers = pytest.importorskip("transformers", reason="the field list is transformers'")
+    own = set(transformers.DeepseekV3Config().to_dict()) - set(transformers.PreTrainedConfig().to_dict())
+    ours = to_hf_config_dict(DSV3_TINY)
+    assert own | {"architectures", "model_type", "dtype", "transformers_version"} == set(ours), (
+        sorted(own - set(ours)), sorted(set(ours) - own))
+    fields = {k: v for k, v in ours.items() if k not in ("architectures", "model_type", "dtype")}
+    theirs = transformers.DeepseekV3Config(**fields)
+    for key in ("qk_head_dim", "head_dim", "num_nextn_predict_layers", "hidden_size", "q_lora_rank"):
+        assert getattr(theirs, key) == ours[key], key
+    defaults = transformers.DeepseekV3Config()
+    for key in ("use_cache", "output_router_logits", "pretraining_tp"):  # not carried: transformers' default
+        assert ours[key] == getattr(defaults, key), key
+    assert from_hf_config(ours) == DSV3_TINY
+
+
+def test_config_carries_mtp_layers_without_building_them():
+    """transformers' default (and DeepSeek-V3's release value) num_nextn_predict_layers=1 loads."""
+    config = from_hf_config(to_hf_config_dict(DSV3_TINY), overrides={"num_mtp_layers": 2})
+    assert config.num_nextn_predict_layers == 2 and to_hf_config_dict(config)["num_nextn_predict_layers"] == 2

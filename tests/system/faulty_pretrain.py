@@ -25,7 +25,8 @@ import time
 import torch.distributed as dist
 
 from models.deepseek_v3 import pretrain
-from te_npu.distributed import checkpoint, checkpoint_folder
+from te_npu.distributed import checkpoint_folder
+from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.training.trainer import Trainer
 
 

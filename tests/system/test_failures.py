@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from te_npu.distributed import checkpoint
+from te_npu.distributed.storage import dcp as checkpoint
 from tests.distributed.harness import _free_port
 
 pytestmark = pytest.mark.slow
@@ -433,7 +433,8 @@ def test_disk_full_in_the_middle_of_a_save_is_one_line(tmp_path):
     disk = tmp_path / "disk"
     code = (
         "import sys, torch\n"
-        "from te_npu.distributed import MasterWeightOptimizer, checkpoint\n"
+        "from te_npu.distributed import MasterWeightOptimizer\n"
+        "from te_npu.distributed.storage import dcp as checkpoint\n"
         "from te_npu.training.job import run_job\n"
         "from tests.distributed.harness import build\n"
         "checkpoint._SPACE_MARGIN = (0.3, 0)\n"

@@ -122,7 +122,8 @@ def hf_job(tmp_path_factory, st_data_dir):
     return {"work": work, "hf": hf, "dirs": dirs, "ranks": ranks, "config": config}
 
 
-SOURCE_FIELDS = {"bos_token_id": 3, "eos_token_id": 4, "max_position_embeddings": 4096, "use_cache": True}
+SOURCE_FIELDS = {"bos_token_id": 3, "eos_token_id": 4, "max_position_embeddings": 4096, "use_cache": False,
+                 "num_nextn_predict_layers": 1}
 SOURCE_FILES = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.json": '{"model_max_length": 4096}'}
 
 
@@ -219,7 +220,7 @@ def test_hf_trainer_export_carries_the_sources_config_fields_and_files(hf_job):
     work, source = hf_job["work"], Path(hf_job["dirs"]["per_expert"])
     export = work / "fp32" / "ckpt" / "hf" / f"step_{STEPS}"
     config = json.loads((export / "config.json").read_text())
-    assert {k: config[k] for k in SOURCE_FIELDS} == SOURCE_FIELDS, config  # not the recipe's 0 / 1 / 512 / false
+    assert {k: config[k] for k in SOURCE_FIELDS} == SOURCE_FIELDS, config  # not the recipe's 0 / 1 / 512 / true / 0
     assert config["dtype"] == "float32" and config["num_hidden_layers"] == hf_job["config"].num_hidden_layers
     for name in [*SOURCE_FILES, "generation_config.json"]:
         assert (export / name).read_bytes() == (source / name).read_bytes(), name
@@ -386,7 +387,7 @@ def test_hf_start_names_a_damaged_file_in_one_line(hf_dir, tmp_path, st_data_dir
 def test_hf_to_dcp_refuses_a_folder_holding_a_run(hf_dir, tmp_path, st_data_dir):
     """The issue's case: step_0 written into a run's folder became its latest (resume: auto restarted from HF)."""
     from models.deepseek_v3.pretrain import DeepseekV3Task
-    from te_npu.distributed import checkpoint
+    from te_npu.distributed.storage import dcp as checkpoint
     from te_npu.training.hf_convert import hf_to_dcp
 
     cfg = _cfg("bf16", tmp_path, st_data_dir, "fsdp_config.dp_shard_size=1", "training.train_steps=2")

@@ -29,7 +29,7 @@ ILLEGAL = [
     ("checkpoint.format=safetensors", "checkpoint.format"),
     ("activation_checkpoint.mode=selective", "activation_checkpoint.mode"),
     ("model.preset=dsv3_671b", "model.preset"),  # the model task's section (spec 15: frozen 16B structure)
-    ("model.overrides.num_nextn_predict_layers=1", "num_nextn_predict_layers"),
+    ("model.overrides.num_nextn_predict_layers=-1", "num_nextn_predict_layers"),
 ]
 
 

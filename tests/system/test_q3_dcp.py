@@ -39,6 +39,7 @@ def _check_resume(run, resumed):
         probe = res["probe"]
         for step in range(H.SAVE_AT, H.MAIN_STEPS):
             assert sum(probe.refresh_counts(step).values()) == len(weights)
+        assert probe.dequantize_fallbacks == []  # the DCP load and the resumed steps: no dequantizing fallback
 
 
 def _check_checkpoint_contents(run):

@@ -64,6 +64,17 @@ def test_trainer_subscribers_see_the_run_and_end_with_close(run_of, fmt):
         assert main["subscribed_after_close"] is False
 
 
+@pytest.mark.parametrize("fmt", LOW)
+def test_training_path_takes_no_dequantizing_fallback(run_of, fmt):
+    """Setup, every step, the DCP save and the variant's recompute read the 8-bit weights only
+    through their handlers: not one op took TE's dequantizing fallback (``DequantizeFallbackEvent``)."""
+    for rank in run_of(fmt)["ranks"]:
+        phases = [p for p in ("main", "variant", "fallback") if p in rank]
+        assert "main" in phases and "variant" in phases
+        for phase in phases:
+            assert rank[phase]["probe"].dequantize_fallbacks == [], phase
+
+
 @pytest.mark.parametrize("fmt", ALL)
 def test_optimizer_state_is_fp32(run_of, fmt):
     for rank in run_of(fmt)["ranks"]:

@@ -208,6 +208,46 @@ def _save_and_swap():
     torch.utils.swap_tensors(layer.weight, torch.nn.Parameter(torch.zeros(64, 64)))
 
 
+def _fp8_available():
+    available, reason = _resolve("te_npu.is_fp8_available")(return_reason=True)
+    assert isinstance(available, bool) and isinstance(reason, str) and te_npu.is_fp8_available() is available
+    _resolve("te_npu.is_hif8_available")
+
+
+def _distributed_checkpoint():
+    assert _resolve("te_npu.distributed.checkpoint") is te_npu.checkpoint
+    x = torch.zeros(2, requires_grad=True)
+    te_npu.distributed.checkpoint(torch.sin, x).sum().backward()
+    assert torch.equal(x.grad, torch.ones(2))
+    _resolve("te_npu.distributed.storage.dcp.save")
+
+
+def _conversions():
+    with te_npu.quantized_model_init(recipe=MXFP8BlockRecipe()):
+        weight = te_npu.TELinear(64, 64, bias=False).weight  # FP32 logical
+    value = weight.dequantize()
+    for out in (weight.float(), weight.to(torch.float32), weight.cpu()):
+        assert type(out) is torch.Tensor and torch.equal(out, value)
+    assert (weight.detach().cpu().numpy() == value.detach().numpy()).all() and weight.float().t().shape == (64, 64)
+    assert type(weight.to("cpu")) is te_npu.tensor.MXFP8Tensor
+
+
+def _fallback():
+    from torch.nn.parallel import DistributedDataParallel
+
+    layer, seen = _quantized_linear(), []
+    with te_npu.events.subscribe(seen.append, te_npu.events.DequantizeFallbackEvent):
+        vector = torch.nn.utils.parameters_to_vector(layer.parameters())
+        both = torch.cat([layer.weight, layer.weight])
+    assert torch.equal(vector, layer.weight.dequantize().flatten()) and both.shape == (128, 64)
+    assert [e.op for e in seen] == ["aten.cat.default"] * 2
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # the 2-rank sync: tests/unit/tensor/test_weight_te_contract.py
+        DistributedDataParallel(layer)(_x(32, 64).bfloat16()).float().sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 # first README cell -> (status word the row must start with, check)
 CHECKS = {
     "`transformer_engine.pytorch.autocast(enabled, calibrating, recipe, amax_reduction_group, _graph)`": (
@@ -306,11 +346,28 @@ CHECKS = {
     "`recipe.CustomRecipe`": ("refused", lambda: _raises(te_npu.recipe.CustomRecipe, ConfigError, "quantizer factories")),
     "`transformer_engine.pytorch.is_mxfp8_available(return_reason=True)`": (
         "supported", lambda: _resolve("te_npu.is_mxfp8_available")(return_reason=True)),
+    "`transformer_engine.pytorch.is_fp8_available(return_reason=False)`": ("supported", _fp8_available),
+    "`transformer_engine.pytorch.is_fp8_block_scaling_available` / `is_nvfp4_available`": ("supported", lambda: [
+        _resolve(f"te_npu.{n}")(return_reason=True)[0] and pytest.fail(n)
+        for n in ("is_fp8_block_scaling_available", "is_nvfp4_available")]),
+    "`transformer_engine.pytorch.is_bf16_available`": (
+        "supported", lambda: te_npu.is_bf16_available() is True or pytest.fail("bf16")),
+    "`transformer_engine.pytorch.distributed.checkpoint(fn, *args, **kwargs)` (Megatron's TE checkpoint)": (
+        "supported", _distributed_checkpoint),
     "TE modules under `torch.autocast(dtype=torch.bfloat16)`": ("supported", _torch_autocast),
     "TE's input / parameter dtype check outside `torch.autocast` (`TypeError`)": ("differs", _dtype_cast),
     "`torch.optim.AdamW` / `SGD` (`foreach=True`, `fused=True` too) on FP8 parameters": ("supported", _optimizer_step),
     "`param.data = t` / `nn.utils.vector_to_parameters` / `torch._foreach_copy_` / `dist.broadcast` on FP8 parameters": (
         "supported", _writes_through),
+    "`w.float()` / `w.to(dtype)` / `w.cpu()` / `w.numpy()` / `w.dequantize()` on FP8 parameters": (
+        "supported", _conversions),
+    "an aten op the FP8 parameter does not implement (`torch.cat`, `nn.utils.parameters_to_vector`, "
+    "`DistributedDataParallel`'s bucket flattening, `exp`, `mm`, ...)": ("supported", _fallback),
+    "a view (`t()`, `transpose`, `unsqueeze`, `w[i]`, `view` to another shape) or an in-place / `out=` write "
+    "without a handler on an FP8 parameter": ("refused", lambda: [
+        _raises(lambda op=op: op(_quantized_linear().weight.detach()), NotImplementedError, rf"does not support aten\.{name}")
+        for op, name in ((lambda w: w.t(), "t"), (lambda w: w.unsqueeze(0), "unsqueeze"), (lambda w: w[0], "select"),
+                         (lambda w: w.view(32, 128), "view"), (lambda w: w.exp_(), "exp_"))]),
     "`torch.load(f)` (`weights_only=True`) of a quantized state dict": ("supported", _load_weights_only),
     "`safetensors.torch.save_file` of a quantized state dict": ("supported", _safetensors),
     "`torch.save(module)` / `torch.utils.swap_tensors` on TE modules": ("supported", _save_and_swap),

@@ -37,6 +37,21 @@ def test_preflight_unwritable_dir_names_the_key(tmp_path):
     assert os.listdir(tmp_path / "logs") == []  # the probe file is gone
 
 
+@pytest.mark.skipif(not os.path.isfile("/proc/self/status"), reason="needs Linux's /proc (a filesystem that "
+                                                                   "refuses new entries with ENOENT)")
+def test_preflight_unwritable_virtual_filesystem_says_why(tmp_path):
+    """``export_dir=/proc/x``: not "No such file or directory" for a folder that exists."""
+    for directory, what in (("/proc", "no file can be created in it"), ("/proc/x", "it cannot be created")):
+        with pytest.raises(ConfigError) as info:
+            preflight.check_writable(directory, "checkpoint.export_dir")
+        message = str(info.value)
+        assert message.startswith(f"checkpoint.export_dir: {directory!r} is not writable: {what} (") and (
+            "its filesystem refuses new entries in '/proc', which exists" in message  # root: ENOENT
+            or "Permission denied" in message), message  # others: EACCES
+        assert "No such file or directory" not in message
+        assert "proc filesystem mounted at /proc" in message and "\n" not in message
+
+
 def test_preflight_resume_auto_empty_folder_starts_fresh(tmp_path):
     assert preflight.resume_target(_ckpt(tmp_path / "none")) is None
     assert preflight.resume_target(_ckpt(tmp_path, resume=False)) is None
