@@ -32,8 +32,9 @@ shapes alone (a meta-built model plans before anything is allocated):
   reason and the world sizes that would shard it, or with ``fallback_to_unsharded=True`` the
   parameter stays replicated: it is passed to its unit's ``fully_shard`` as an ignored
   parameter (so FSDP never touches it; its GEMMs stay 8-bit) and gets a post-accumulate-grad
-  hook that averages its gradient over the group, like FSDP's reduce-scatter averages the
-  sharded ones.
+  hook that averages its gradient over every rank, like FSDP's reduce-scatter averages the
+  sharded ones (``average_replicated_gradients``: after ``to_empty`` for a model sharded on
+  meta, whose parameters ``to_empty`` replaces).
 
 ``ShardPlan.describe()`` is the one-paragraph summary the trainer logs: how many parameters and
 elements on each dim, the FQNs off dim 0 (layer indices folded), what stays replicated and its
@@ -70,6 +71,7 @@ __all__ = [
     "te_module_units",
     "layer_units",
     "shard_model",
+    "average_replicated_gradients",
 ]
 
 
@@ -359,11 +361,21 @@ def shard_model(
         applied.append(tuple(names[id(m)] for m in unit.modules))
     _fully_shard(model, set(model.parameters()), replicated, reshard_after_forward, plan.dims, model, kwargs)
     applied.append(("",))
-    groups = mesh_groups(mesh)
-    for param in replicated:
-        param.register_post_accumulate_grad_hook(_average_grad_hook(groups, mesh.size()))
-    return ShardPlan(plan.sharded, plan.replicated, tuple(applied), dims=plan.dims, shapes=plan.shapes,
+    plan = ShardPlan(plan.sharded, plan.replicated, tuple(applied), dims=plan.dims, shapes=plan.shapes,
                      nbytes=plan.nbytes, world_size=plan.world_size, replicate_size=plan.replicate_size)
+    if not any(p.is_meta for p in replicated):
+        average_replicated_gradients(model, plan, mesh)
+    return plan
+
+
+def average_replicated_gradients(model: nn.Module, plan: ShardPlan, mesh) -> None:
+    """Give each replicated parameter of ``plan`` a post-accumulate-grad hook averaging its
+    gradient over every rank of ``mesh`` (as FSDP2 averages the sharded ones). ``shard_model``
+    does it for a materialized model; a model sharded on meta gets new parameter objects from
+    ``to_empty`` (the hooks of the meta ones are gone), so call this after ``to_empty``."""
+    groups = mesh_groups(mesh)
+    for fqn in plan.replicated:
+        model.get_parameter(fqn).register_post_accumulate_grad_hook(_average_grad_hook(groups, mesh.size()))
 
 
 def _fully_shard(modules, owned: set, replicated: set, reshard: bool, dims: Mapping[str, int], model: nn.Module,

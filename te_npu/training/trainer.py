@@ -43,6 +43,7 @@ from torch import nn
 import te_npu
 from te_npu import events
 from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, checkpoint_folder, layer_units, shard_model
+from te_npu.distributed.sharding import average_replicated_gradients
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.distributed.mesh import dp_mesh
 from te_npu.compat import default_store, local_tensor
@@ -191,6 +192,8 @@ class Trainer:
             self.shard_plan = self._shard_on_meta(model)  # plan from meta shapes, refused before any allocation
             self._setup_step("allocate shards")
             model.to_empty(device=self.device)  # each rank allocates its own shards only
+            if self.shard_plan is not None and self.shard_plan.replicated:  # to_empty made new parameters
+                average_replicated_gradients(model, self.shard_plan, self.mesh)
             if cfg.activation_checkpoint.mode == "full":
                 apply_activation_checkpointing(model, self.task.layer_types())
             self.model = model
