@@ -3,9 +3,12 @@
     python scripts/estimate_memory.py --config recipes/dsv3_16b_mxfp8.yaml --world 8
     python scripts/estimate_memory.py --config recipes/dsv3_16b_hif8.yaml --world 16 --json out.json --hbm-gb 144
     python scripts/estimate_memory.py --config recipes/dsv3_tiny_mxfp8.yaml --world 2 --micro 1 training.seq_len=128
+    python scripts/estimate_memory.py --config recipes/dsv3_16b_mxfp8.yaml --world 32 --replicate 4   # HSDP 8 x 4
 
 Runs here, on the CPU, allocating nothing (``te_npu.training.capacity``: FakeTensorMode and
-torch's fake process group, rank 0 of ``--world``): the config checks, the shard plan, FSDP2
+torch's fake process group, rank 0 of ``--world``; ``--replicate R``: HSDP, R replicas of
+``--world / R``-rank shard groups, the 2-D mesh the job builds, so the all-reduce across replicas
+is counted too; both default to the recipe's ``fsdp_config`` keys): the config checks, the shard plan, FSDP2
 on meta, the local shards, masters and moments, the initial values, ``--micro`` micro-batches
 (default: the recipe's accumulation) and one optimizer step. Prints bytes per stage and per
 category and a fit verdict against ``--hbm-gb`` (default: one Ascend 950DT, 144 GB).
@@ -33,7 +36,11 @@ from te_npu.training.config import load_config  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/dsv3_16b_mxfp8.yaml")
-    parser.add_argument("--world", type=int, required=True, help="FSDP2 world size to plan for (ranks)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks to plan for (default: the recipe's dp_shard_size x dp_replicate_size)")
+    parser.add_argument("--replicate", type=int, default=None,
+                        help="HSDP replicas (fsdp_config.dp_replicate_size; default: the recipe's); each "
+                             "parameter is sharded over --world / --replicate ranks")
     parser.add_argument("--micro", type=int, default=None,
                         help="micro-batches to run (default: the recipe's accumulation; 2 already give its step peak: "
                              "the second runs with every gradient held, as all later ones do)")
@@ -46,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="te_npu_estimate_") as workdir:
         try:
-            cfg = load_config(args.config, [*args.overrides, *estimation_overrides(args.world, workdir)],
+            recipe = load_config(args.config, args.overrides, model_section=DeepseekV3ModelSection).fsdp_config
+            replicate = args.replicate or recipe.dp_replicate_size
+            world = args.world or recipe.dp_shard_size * replicate
+            cfg = load_config(args.config, [*args.overrides, *estimation_overrides(world, workdir, replicate)],
                               model_section=DeepseekV3ModelSection)
-            report = estimate(cfg, DeepseekV3Task(), world_size=args.world, micro_batches=args.micro,
+            report = estimate(cfg, DeepseekV3Task(), world_size=world, micro_batches=args.micro,
                               hbm_bytes=int(args.hbm_gb * 10**9), config_name=args.config, measure=args.measure)
         except ConfigError as exc:
             print(f"ConfigError: {exc}", file=sys.stderr)

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from te_npu import events
 from te_npu.compat import local_shape_and_global_offset, local_tensor
+from te_npu.distributed.mesh import dtensor_shard_group
 from te_npu.quantize_weights import quantize_weights_
 from te_npu.tensor import QuantizedWeightTensor
 
@@ -108,7 +109,8 @@ def refresh_low_precision_weights(
     (``QuantizedWeightTensor.refresh_from_master``). A format whose scale spans the whole weight
     (HiF8 dense: every rank quantizes its rows with the full weight's scale -- identical to
     quantizing the full weight) gives its shard's part (``shared_scale_amax``); those amaxes are
-    MAX-reduced over ``group`` (default: each parameter's FSDP mesh group; none for an unsharded
+    MAX-reduced over ``group`` (default: each parameter's FSDP shard group -- under HSDP the
+    replicas hold identical masters, so their max is the shard group's; none for an unsharded
     parameter) in one all-reduce per group, stacked in ``params`` order (which must be the same
     on every rank); MXFP8 blocks and HiF8 per-expert scales stay local.
 
@@ -154,8 +156,10 @@ def _shared_amaxes(pairs, group) -> dict[int, torch.Tensor]:
 def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """FP32 L2 norm over all gradients and all ranks (DTensor-aware; NaN/Inf propagate).
 
-    Sharded DTensor gradients contribute their local squares, summed over their mesh with
-    one all-reduce; replicated and plain tensors (already equal on every rank) count once.
+    Sharded DTensor gradients contribute their local squares, summed over their shard group
+    with one all-reduce (HSDP: every replica holds the same reduced shards, so each shard counts
+    once and every rank gets the same norm); replicated and plain tensors (already equal on every
+    rank) count once.
     """
     sharded, replicated, group = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32), None
     for grad in grads:
@@ -163,7 +167,7 @@ def global_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
         squares = local.pow(2).sum().cpu()
         if isinstance(grad, DTensor) and any(isinstance(p, Shard) for p in grad.placements):
             sharded += squares
-            group = grad.device_mesh.get_group()
+            group = dtensor_shard_group(grad)
         else:
             replicated += squares
     if group is not None and dist.get_world_size(group) > 1:
@@ -390,7 +394,7 @@ def _bounded_chunks(items: list, budget_bytes: int):
 
 
 def _mesh_group(param: torch.Tensor):
-    return param.device_mesh.get_group() if isinstance(param, DTensor) else None
+    return dtensor_shard_group(param) if isinstance(param, DTensor) else None
 
 
 def _collective_device(group) -> torch.device:

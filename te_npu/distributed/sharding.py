@@ -32,8 +32,9 @@ shapes alone (a meta-built model plans before anything is allocated):
   reason and the world sizes that would shard it, or with ``fallback_to_unsharded=True`` the
   parameter stays replicated: it is passed to its unit's ``fully_shard`` as an ignored
   parameter (so FSDP never touches it; its GEMMs stay 8-bit) and gets a post-accumulate-grad
-  hook that averages its gradient over the group, like FSDP's reduce-scatter averages the
-  sharded ones.
+  hook that averages its gradient over every rank, like FSDP's reduce-scatter averages the
+  sharded ones (``average_replicated_gradients``: after ``to_empty`` for a model sharded on
+  meta, whose parameters ``to_empty`` replaces).
 
 ``ShardPlan.describe()`` is the one-paragraph summary the trainer logs: how many parameters and
 elements on each dim, the FQNs off dim 0 (layer indices folded), what stays replicated and its
@@ -55,6 +56,7 @@ from torch.distributed.tensor import Shard
 
 from te_npu.compat import local_tensor
 from te_npu.distributed.fsdp import gather_schema_of
+from te_npu.distributed.mesh import mesh_groups, replicate_size, shard_size
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule
 from te_npu.tensor import QuantizedWeightTensor
@@ -69,6 +71,7 @@ __all__ = [
     "te_module_units",
     "layer_units",
     "shard_model",
+    "average_replicated_gradients",
 ]
 
 
@@ -89,7 +92,8 @@ class ShardPlan:
     ``units``: the FQNs of each unit's modules, in ``fully_shard`` order (the root last, ``""``);
     ``dims``: FQN -> the dim FSDP shards it on (0, or 1: ``Shard(1)`` over K); ``shapes`` /
     ``nbytes``: each planned parameter's global shape and its bytes (all inner tensors of a
-    quantized weight); ``world_size``: the FSDP group size the plan is for."""
+    quantized weight); ``world_size``: the FSDP group size the plan is for (the shard group's
+    under HSDP); ``replicate_size``: how many copies of each shard the mesh holds (HSDP; 1 flat)."""
 
     sharded: tuple[str, ...]
     replicated: dict[str, str]
@@ -98,6 +102,7 @@ class ShardPlan:
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     nbytes: Mapping[str, int] = field(default_factory=dict)
     world_size: int = 1
+    replicate_size: int = 1
 
     def replicated_bytes_per_rank(self) -> int:
         """Bytes every rank holds for the replicated parameters (their full size, on each rank)."""
@@ -111,7 +116,10 @@ class ShardPlan:
             by_dim[self.dims.get(fqn, 0)].append(fqn)
         parts = [f"{len(fqns)} on dim {dim} ({sum(math.prod(self.shapes.get(f, ())) for f in fqns):,} elements)"
                  for dim, fqns in sorted(by_dim.items())]
-        lines = [f"FSDP2 plan over {self.world_size} ranks: {len(self.sharded)} parameters sharded: " + ", ".join(parts)
+        over = (f"HSDP plan over {self.world_size * self.replicate_size} ranks ({self.replicate_size} replicas x "
+                f"{self.world_size}-rank shard groups)" if self.replicate_size > 1 else
+                f"FSDP2 plan over {self.world_size} ranks")
+        lines = [f"{over}: {len(self.sharded)} parameters sharded: " + ", ".join(parts)
                  + f"; {len(self.replicated)} replicated"]
         for dim, fqns in sorted(by_dim.items()):
             if dim != 0:
@@ -202,14 +210,21 @@ def _violation_reasons(param: torch.Tensor, world_size: int) -> str | None:
 
 
 def plan_shards(
-    named_params: Iterable[tuple[str, torch.Tensor]], world_size: int, *, fallback_to_unsharded: bool
+    named_params: Iterable[tuple[str, torch.Tensor]], world_size: int, *, fallback_to_unsharded: bool,
+    replicate_size: int = 1,
 ) -> ShardPlan:
     """Pick every parameter's shard dim (module doc) from its shape and class; raise one
     ``ConfigError`` listing what no dim can shard unless falling back to replicas. Reads only
-    shapes and classes: a meta-built (and meta-quantized) model plans before any allocation."""
+    shapes and classes: a meta-built (and meta-quantized) model plans before any allocation.
+
+    world_size: the ranks each parameter is sharded over (HSDP: the shard group);
+    replicate_size: the HSDP replicas (the job runs ``world_size * replicate_size`` ranks). The
+    error names the ``dp_shard_size x dp_replicate_size`` layouts of that many ranks that shard
+    every refused parameter."""
     sharded, replicated, dims, shapes, nbytes = [], {}, {}, {}, {}
     folded: dict[tuple[str, tuple[int, ...], str], list[str]] = defaultdict(list)  # one line per layer-folded kind
-    for fqn, param in named_params:
+    named_params_list = list(named_params)
+    for fqn, param in named_params_list:
         shapes[fqn], nbytes[fqn] = tuple(param.shape), _param_bytes(param)
         dim, _ = shard_dim(param, world_size)
         if dim is None:
@@ -218,18 +233,31 @@ def plan_shards(
         else:
             sharded.append(fqn)
             dims[fqn] = dim
-    plan = ShardPlan(tuple(sharded), replicated, dims=dims, shapes=shapes, nbytes=nbytes, world_size=world_size)
+    plan = ShardPlan(tuple(sharded), replicated, dims=dims, shapes=shapes, nbytes=nbytes, world_size=world_size,
+                     replicate_size=replicate_size)
     if replicated and not fallback_to_unsharded:
         lines = [f"parameter {fqns[0]!r} shape {list(shape)}"
                  + (f" (and {len(fqns) - 1} more like it: {name})" if len(fqns) > 1 else "") + f": {reasons}"
                  for (name, shape, reasons), fqns in folded.items()]
+        ranks = world_size * replicate_size
+        refused = [p for fqn, p in named_params_list if fqn in replicated]
+        layouts = [f"dp_shard_size={s} x dp_replicate_size={ranks // s}" for s in _divisors(ranks)
+                   if s != world_size and all(shard_dim(p, s)[0] is not None for p in refused)]
+        hsdp = (f"; at {ranks} ranks these shard them: {', '.join(layouts)}" if layouts else
+                f"; no dp_shard_size x dp_replicate_size layout of {ranks} ranks shards them")
         raise ConfigError(
-            f"shard constraints violated over FSDP world size {world_size}: no shard dim keeps these "
-            f"{len(replicated)} parameter(s) (set fsdp_config.fallback_to_unsharded: true to keep them replicated, "
-            f"+{plan.replicated_bytes_per_rank() / 2**30:.2f} GiB per rank, or use a world size that shards them):\n  "
-            + "\n  ".join(lines)
+            f"shard constraints violated over FSDP world size {world_size}"
+            + (f" (dp_shard_size={world_size} x dp_replicate_size={replicate_size})" if replicate_size > 1 else "")
+            + f": no shard dim keeps these {len(replicated)} parameter(s) (set fsdp_config.fallback_to_unsharded: "
+            f"true to keep them replicated, +{plan.replicated_bytes_per_rank() / 2**30:.2f} GiB per rank, or use a "
+            f"shard group size that shards them{hsdp}):\n  " + "\n  ".join(lines)
         )
     return plan
+
+
+def _divisors(n: int) -> list[int]:
+    """Shard group sizes of an ``n``-rank job, largest first (1 would replicate everything: left out)."""
+    return [s for s in range(n, 1, -1) if n % s == 0]
 
 
 def _fold(fqn: str) -> str:
@@ -308,11 +336,14 @@ def shard_model(
 ) -> ShardPlan:
     """Validate every parameter, then ``fully_shard`` each unit (default: ``te_module_units``) and the root.
 
-    mesh: a 1D ``DeviceMesh`` (the FSDP group). Returns the ``ShardPlan`` (replicated FQNs
-    are kept out of FSDP and get a gradient all-reduce hook).
+    mesh: a 1D ``DeviceMesh`` (the FSDP group), or the 2-D ``(dp_replicate, dp_shard)`` mesh of
+    HSDP (``te_npu.distributed.mesh``): the plan is made for the shard group's size. Returns the
+    ``ShardPlan`` (replicated FQNs are kept out of FSDP and get a gradient all-reduce hook over
+    every rank of the mesh).
     """
     validate_parallel_config(comm_fusion=comm_fusion)
-    plan = plan_shards(model.named_parameters(), mesh.size(), fallback_to_unsharded=fallback_to_unsharded)
+    plan = plan_shards(model.named_parameters(), shard_size(mesh), fallback_to_unsharded=fallback_to_unsharded,
+                       replicate_size=replicate_size(mesh))
     replicated = {model.get_parameter(fqn) for fqn in plan.replicated}
     placement = {id(model.get_parameter(fqn)): Shard(dim) for fqn, dim in plan.dims.items()}
     kwargs = {"mesh": mesh, "shard_placement_fn": lambda param: placement.get(id(param))}
@@ -330,11 +361,21 @@ def shard_model(
         applied.append(tuple(names[id(m)] for m in unit.modules))
     _fully_shard(model, set(model.parameters()), replicated, reshard_after_forward, plan.dims, model, kwargs)
     applied.append(("",))
-    group = mesh.get_group()
-    for param in replicated:
-        param.register_post_accumulate_grad_hook(_average_grad_hook(group))
-    return ShardPlan(plan.sharded, plan.replicated, tuple(applied), dims=plan.dims, shapes=plan.shapes,
-                     nbytes=plan.nbytes, world_size=plan.world_size)
+    plan = ShardPlan(plan.sharded, plan.replicated, tuple(applied), dims=plan.dims, shapes=plan.shapes,
+                     nbytes=plan.nbytes, world_size=plan.world_size, replicate_size=plan.replicate_size)
+    if not any(p.is_meta for p in replicated):
+        average_replicated_gradients(model, plan, mesh)
+    return plan
+
+
+def average_replicated_gradients(model: nn.Module, plan: ShardPlan, mesh) -> None:
+    """Give each replicated parameter of ``plan`` a post-accumulate-grad hook averaging its
+    gradient over every rank of ``mesh`` (as FSDP2 averages the sharded ones). ``shard_model``
+    does it for a materialized model; a model sharded on meta gets new parameter objects from
+    ``to_empty`` (the hooks of the meta ones are gone), so call this after ``to_empty``."""
+    groups = mesh_groups(mesh)
+    for fqn in plan.replicated:
+        model.get_parameter(fqn).register_post_accumulate_grad_hook(_average_grad_hook(groups, mesh.size()))
 
 
 def _fully_shard(modules, owned: set, replicated: set, reshard: bool, dims: Mapping[str, int], model: nn.Module,
@@ -352,9 +393,12 @@ def _fully_shard(modules, owned: set, replicated: set, reshard: bool, dims: Mapp
         (modules[0] if isinstance(modules, list) else modules).set_reshard_after_forward(True, recurse=False)
 
 
-def _average_grad_hook(group):
+def _average_grad_hook(groups: Sequence[dist.ProcessGroup], ranks: int):
+    """Average a replicated parameter's gradient over every rank of the mesh (a sum over each mesh
+    dim in turn is the sum over the mesh)."""
     def hook(param: torch.Tensor) -> None:
-        dist.all_reduce(param.grad, group=group)
-        param.grad.div_(dist.get_world_size(group))
+        for group in groups:
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(ranks)
 
     return hook

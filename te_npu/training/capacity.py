@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from te_npu import compat, events
 from te_npu.compat import local_tensor
+from te_npu.errors import ConfigError
 from te_npu.ops import emulation, force_backend
 from te_npu.tensor import QuantizedWeightTensor
 from te_npu.training.config import TrainConfig
@@ -64,7 +65,8 @@ estimate does not model (module doc)."""
 
 @dataclass
 class CapacityReport:
-    """Per-rank bytes of one estimated run (rank 0 of ``world_size``)."""
+    """Per-rank bytes of one estimated run (rank 0 of ``world_size``; HSDP: ``replicate_size``
+    replicas of a ``world_size // replicate_size``-rank shard group)."""
 
     config: str
     world_size: int
@@ -80,6 +82,7 @@ class CapacityReport:
     setup_stage_names: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
     measured_rss_bytes: dict[str, int] | None = None  # measure=True: stage -> peak RSS above the start
+    replicate_size: int = 1
     # (a micro-batch's forward and backward are one reading, under the backward stage's name)
 
     @property
@@ -103,6 +106,7 @@ class CapacityReport:
         return {
             "config": self.config,
             "world_size": self.world_size,
+            "replicate_size": self.replicate_size,
             "micro_batches": self.micro_batches,
             "tokens_per_micro_batch": self.tokens_per_micro_batch,
             "hbm_bytes": self.hbm_bytes,
@@ -123,7 +127,9 @@ class CapacityReport:
     def render(self) -> str:
         """The table ``scripts/estimate_memory.py`` prints (GiB per rank; MiB below 1 GiB)."""
         gib, unit = (2 ** 30, "GiB") if self.peak_bytes >= 2 ** 30 else (2 ** 20, "MiB")
-        lines = [f"{self.config}: rank 0 of {self.world_size}, {self.micro_batches} micro-batch(es) of "
+        layout = (f" (dp_shard_size {self.world_size // self.replicate_size} x dp_replicate_size "
+                  f"{self.replicate_size})" if self.replicate_size > 1 else "")
+        lines = [f"{self.config}: rank 0 of {self.world_size}{layout}, {self.micro_batches} micro-batch(es) of "
                  f"{self.tokens_per_micro_batch} tokens", self.plan, ""]
         header = (f"{'stage':<34}{'peak ' + unit:>10}{'end ' + unit:>10}{'emul. ' + unit:>11}"
                   "  largest categories at the peak")
@@ -152,13 +158,18 @@ class CapacityReport:
         return "\n".join(lines)
 
 
-def estimation_overrides(world_size: int, workdir: str) -> list[str]:
+def estimation_overrides(world_size: int, workdir: str, replicate_size: int = 1) -> list[str]:
     """Dotted config overrides that make a recipe run here on fake tensors (module doc): the CPU,
     the stdlib corpus, scratch outputs, nothing resumed or loaded, the eager quantization kernels
-    (the native ones have no fake-tensor implementation), FSDP2 over ``world_size``."""
+    (the native ones have no fake-tensor implementation), FSDP2 over ``world_size`` ranks (HSDP:
+    ``replicate_size`` replicas of ``world_size // replicate_size``-rank shard groups; a
+    ``ConfigError`` naming both keys when it does not divide)."""
+    if replicate_size < 1 or world_size % replicate_size:
+        raise ConfigError(f"fsdp_config.dp_replicate_size: {replicate_size} does not divide the world size "
+                          f"{world_size} (fsdp_config.dp_shard_size x fsdp_config.dp_replicate_size = world size)")
     return [
         "training.device=cpu", "training.backend=gloo", "training.quant_kernel=eager",
-        f"fsdp_config.dp_shard_size={world_size}",
+        f"fsdp_config.dp_shard_size={world_size // replicate_size}", f"fsdp_config.dp_replicate_size={replicate_size}",
         "data.kind=stdlib", "data.path=null", "data.val_path=null",
         f"logging.dir={workdir}/logs", "logging.tensorboard=false", "logging.plot=false",
         f"checkpoint.dir={workdir}/checkpoints", "checkpoint.resume=false", "checkpoint.initial_load_path=null",
@@ -251,6 +262,7 @@ def estimate(cfg: TrainConfig, task, *, world_size: int, micro_batches: int | No
             replicated_bytes=plan.replicated_bytes_per_rank() if plan else 0,
             plan=plan.describe() if plan else "one rank: nothing sharded", setup_stage_names=tuple(setup_stages),
             measured_rss_bytes=rss.peaks if rss is not None else None,
+            replicate_size=cfg.fsdp_config.dp_replicate_size,
         )
         trainer.abandon()
         return report

@@ -109,9 +109,13 @@ class LowPrecisionConfig:
 @dataclass(frozen=True)
 class FSDPConfig:
     """FSDP2 sharding. ``comm_fusion`` exists only to be rejected (spec section 15,
-    ``validate_parallel_config``)."""
+    ``validate_parallel_config``). ``dp_shard_size`` ranks share one copy of the model (each
+    parameter sharded over them); ``dp_replicate_size`` > 1 is HSDP: that many copies, each
+    sharded over its own ``dp_shard_size`` ranks (``te_npu.distributed.mesh``); their product is
+    the world size."""
 
     dp_shard_size: int = option(1, ge=1)
+    dp_replicate_size: int = option(1, ge=1)
     reshard_after_forward: bool = True
     comm_fusion: bool = False
     fallback_to_unsharded: bool = False
@@ -365,9 +369,10 @@ class TrainConfig:
 
     @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step: micro batch x accumulation x ``dp_shard_size``."""
-        t = self.training
-        return t.micro_batch_size * t.gradient_accumulation_steps * self.fsdp_config.dp_shard_size
+        """Sequences per optimizer step: micro batch x accumulation x ``dp_shard_size`` x
+        ``dp_replicate_size`` (every rank of the world reads its own samples)."""
+        t, f = self.training, self.fsdp_config
+        return t.micro_batch_size * t.gradient_accumulation_steps * f.dp_shard_size * f.dp_replicate_size
 
     @property
     def tokens_per_step(self) -> int:

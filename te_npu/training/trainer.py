@@ -39,14 +39,15 @@ from typing import Callable, Iterable, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import te_npu
 from te_npu import events
 from te_npu.recipe import describe_recipe, recipe_change_note, recipe_record
 from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint_folder, layer_units, shard_model
+from te_npu.distributed.sharding import average_replicated_gradients
 from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
+from te_npu.distributed.mesh import dp_mesh
 from te_npu.compat import default_store, local_tensor
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
@@ -198,6 +199,8 @@ class Trainer:
             self.shard_plan = self._shard_on_meta(model)  # plan from meta shapes, refused before any allocation
             self._setup_step("allocate shards")
             model.to_empty(device=self.device)  # each rank allocates its own shards only
+            if self.shard_plan is not None and self.shard_plan.replicated:  # to_empty made new parameters
+                average_replicated_gradients(model, self.shard_plan, self.mesh)
             if cfg.activation_checkpoint.mode == "full":
                 apply_activation_checkpointing(model, self.task.layer_types())
             self.model = model
@@ -288,10 +291,12 @@ class Trainer:
         cfg, env = self.cfg, launch_env()
         self.rank = dist.get_rank() if dist.is_initialized() else env.rank
         self.world_size = dist.get_world_size() if dist.is_initialized() else env.world_size
-        if cfg.fsdp_config.dp_shard_size != self.world_size:
+        f = cfg.fsdp_config
+        if f.dp_shard_size * f.dp_replicate_size != self.world_size:
             raise ConfigError(
-                f"fsdp_config.dp_shard_size: {cfg.fsdp_config.dp_shard_size} does not match the "
-                f"{self.world_size} launched rank(s); FSDP2 shards over every rank (no replication groups)"
+                f"fsdp_config.dp_shard_size x fsdp_config.dp_replicate_size: {f.dp_shard_size} x "
+                f"{f.dp_replicate_size} = {f.dp_shard_size * f.dp_replicate_size} does not match the "
+                f"{self.world_size} launched rank(s) (the world size)"
             )
         preflight.check_device(cfg.training.device, env.local_rank, env.local_world_size)
         self._resume_path = preflight.resume_target(cfg.checkpoint)
@@ -400,8 +405,11 @@ class Trainer:
         else:
             getattr(torch, device_type).set_device(local_rank)
             self.device = torch.device(device_type, local_rank)
-        # the FSDP group: every rank (process-group state, made before any model tensor)
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,)) if self.world_size > 1 else None
+        # the data-parallel mesh (process-group state, made before any model tensor): every rank
+        # one FSDP group, or HSDP's dp_replicate x dp_shard (te_npu.distributed.mesh)
+        f = self.cfg.fsdp_config
+        self.mesh = dp_mesh(self.device.type, replicate=f.dp_replicate_size,
+                            shard=f.dp_shard_size) if self.world_size > 1 else None
 
     def _setup_data(self) -> None:
         """The data kind's splits (rank 0 builds a cache first), their token ids against the model's

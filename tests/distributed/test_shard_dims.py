@@ -119,6 +119,27 @@ def test_plan_names_what_no_dim_can_shard_and_where_it_would():
     assert list(plan.replicated) == ["w"] and plan.replicated_bytes_per_rank() == 96 * 128 * (2 + 2 / 32)
 
 
+def test_plan_names_the_hsdp_layouts_that_would_shard_it():
+    """The 16B ``kv_b_proj [3072, 3072]`` MXFP8 at 32 ranks, flat: 96 rows and 96 columns per rank.
+    The error names every ``dp_shard_size x dp_replicate_size`` layout of 32 ranks that shards it;
+    under HSDP the plan is made for the shard group alone (16 ranks: 192 rows each)."""
+    param = nn.Parameter(quantize_weight(torch.zeros(3072, 3072, dtype=torch.bfloat16, device="meta"),
+                                         te_npu.MXFP8BlockRecipe()))
+    with pytest.raises(ConfigError) as info:
+        plan_shards([("kv_b_proj.weight", param)], 32, fallback_to_unsharded=False)
+    message = str(info.value)
+    assert "N_local=96" in message and "K_local=96" in message
+    assert ("at 32 ranks these shard them: dp_shard_size=16 x dp_replicate_size=2, dp_shard_size=8 x "
+            "dp_replicate_size=4, dp_shard_size=4 x dp_replicate_size=8, dp_shard_size=2 x dp_replicate_size=16"
+            in message), message
+    plan = plan_shards([("kv_b_proj.weight", param)], 16, fallback_to_unsharded=False, replicate_size=2)
+    assert plan.dims == {"kv_b_proj.weight": 0} and not plan.replicated
+    assert plan.describe().startswith("HSDP plan over 32 ranks (2 replicas x 16-rank shard groups)")
+    with pytest.raises(ConfigError, match=r"dp_shard_size=32 x dp_replicate_size=2\).*at 64 ranks these shard "
+                                          r"them: dp_shard_size=16 x dp_replicate_size=4"):
+        plan_shards([("kv_b_proj.weight", param)], 32, fallback_to_unsharded=False, replicate_size=2)
+
+
 def test_plan_keeps_hif8_on_dim0_and_plain_tensors_fall_back_to_dim1():
     hif8 = nn.Parameter(quantize_weight(torch.zeros(96, 128, dtype=torch.bfloat16), te_npu.HiF8CurrentScalingRecipe()))
     plain = nn.Parameter(torch.zeros(6, 128))

@@ -90,6 +90,21 @@ def test_q3_10_dp_shard_size_must_match_world_size(tmp_path, counting_task, monk
     assert "fsdp_config.dp_shard_size" in message and "1 launched rank" in message
 
 
+def test_q3_10_hsdp_layout_must_multiply_to_the_world_size(tmp_path, counting_task, monkeypatch):
+    """HSDP: ``dp_shard_size x dp_replicate_size`` must be the world size; the one line names both keys
+    and the launched ranks, before any process group or model exists (the launcher's ``WORLD_SIZE``)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert not torch.distributed.is_initialized()
+    cfg = load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data", "fsdp_config.dp_replicate_size=3"))
+    message = _setup_error(cfg, counting_task)
+    assert "\n" not in message and not torch.distributed.is_initialized()
+    assert "fsdp_config.dp_shard_size x fsdp_config.dp_replicate_size: 2 x 3 = 6" in message
+    assert "4 launched rank(s) (the world size)" in message
+    assert load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data",
+                                                      "fsdp_config.dp_replicate_size=2")).global_batch_size == 2 * 2 * 2
+
+
 @pytest.mark.parametrize("resume, kind", [("true", "missing"), ("true", "file"), ("true", "not_dcp_dir"),
                                           ("auto", "file"), ("auto", "not_dcp_dir")])
 def test_q3_10_non_dcp_resume_path_fails_before_build(tmp_path, counting_task, monkeypatch, kind, resume):

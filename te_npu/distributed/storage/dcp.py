@@ -50,6 +50,7 @@ that run's checkpoints.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -61,6 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from te_npu.compat import local_tensor, non_persistent_buffer_names
 from te_npu.errors import ConfigError
@@ -343,7 +345,7 @@ def _check_room(directory: str, state: dict, what: str) -> int:
     before anything is written, when rank 0 sees less free space in ``directory`` than that
     plus the headroom."""
     tensors = [t for part in state.values() for t in _tensors(part)]
-    local = sum(_local_nbytes(t) for t in tensors) + _PER_TENSOR_BYTES * len(tensors) + (1 << 20)
+    local = sum(_local_nbytes(t) // _copies(t) for t in tensors) + _PER_TENSOR_BYTES * len(tensors) + (1 << 20)
     free = free_bytes(directory) if process_group.rank() == 0 else 0
     parts = _gather_lists([local, free])
     total, free = sum(p[0] for p in parts), parts[0][1]
@@ -361,6 +363,14 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in _tensors(v)]
     return []
+
+
+def _copies(t: torch.Tensor) -> int:
+    """Ranks holding the same bytes as this one's ``t``, of which DCP writes one: a DTensor's
+    replicated mesh dims (HSDP's replicas), every rank for a plain (replicated) tensor."""
+    if isinstance(t, DTensor):
+        return math.prod(t.device_mesh.size(d) for d, p in enumerate(t.placements) if p.is_replicate())
+    return process_group.world_size()
 
 
 def _local_nbytes(t: torch.Tensor) -> int:

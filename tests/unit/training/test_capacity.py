@@ -14,6 +14,7 @@ import torch
 from models.deepseek_v3.config import DSV3_16B_NUM_PARAMS
 from models.deepseek_v3.pretrain import DeepseekV3Task, model_config
 from models.deepseek_v3.model import DeepseekV3ForCausalLM, low_precision_scope
+from te_npu.errors import ConfigError
 from te_npu.training.capacity import estimate, estimation_overrides
 from te_npu.training.config import load_config
 from tests.system.harness import REPO, TINY_MODEL_OVERRIDES
@@ -73,6 +74,44 @@ def test_estimate_tiny_resting_bytes_equal_the_parameter_arithmetic(tmp_path):
     data = report.as_dict()
     assert {"setup_peak_bytes", "step_peak_bytes", "resting_bytes", "replicated_params", "stages"} <= data.keys()
     assert data["resting_by_category"]["8-bit weights"] > 0 and data["fits"] is True
+
+
+def test_estimate_tiny_hsdp_holds_the_shard_groups_bytes(tmp_path):
+    """HSDP 2 x 2 (world 4, 2 replicas): rank 0 holds exactly what a rank of a flat 2-rank job holds
+    (the parameter arithmetic at W = 2: the plan and every shard are the shard group's); the
+    replica all-reduce runs on the 2-D mesh the job builds."""
+    overrides = [TINY_MODEL_OVERRIDES, "training.seq_len=64", "training.micro_batch_size=2",
+                 f"data.cache_dir={tmp_path / 'data'}", f"data.max_bytes={2**18}",
+                 *estimation_overrides(4, str(tmp_path), replicate_size=2)]
+    cfg = load_config(REPO / "recipes" / "dsv3_tiny_mxfp8.yaml", overrides, model_section=DeepseekV3Task.model_section)
+    assert (cfg.fsdp_config.dp_shard_size, cfg.fsdp_config.dp_replicate_size) == (2, 2)
+    report = estimate(cfg, DeepseekV3Task(), world_size=4, micro_batches=1)
+    assert report.replicated_params == {} and report.replicate_size == 2
+    # + the shard sub-mesh FSDP2 slices from the 2-D mesh on meta (its int64 rank tensor, 2 x 8 B)
+    assert report.resting_bytes == _expected_resting(cfg, 2, "mxfp8") + 2 * 8
+    assert report.plan.startswith("HSDP plan over 4 ranks (2 replicas x 2-rank shard groups)")
+    assert "rank 0 of 4 (dp_shard_size 2 x dp_replicate_size 2)" in report.render()
+    with pytest.raises(ConfigError, match="fsdp_config.dp_replicate_size: 3 does not divide the world size 4"):
+        estimation_overrides(4, str(tmp_path), replicate_size=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, replicate", [(32, 4), (64, 8)])
+def test_estimate_16b_mxfp8_hsdp_fits_at_32_and_64_ranks(world, replicate, tmp_path):
+    """README's HSDP rows: 16B MXFP8 at 32 ranks (8 x 4) and 64 ranks (8 x 8) exits 0 with nothing
+    replicated, rank 0 holding the 8-rank shard group's resting bytes. (Flat, 32 ranks refuse it.)"""
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "estimate_memory.py"), "--config",
+                           str(REPO / "recipes" / "dsv3_16b_mxfp8.yaml"), "--world", str(world), "--replicate",
+                           str(replicate), "--micro", "2", "--json", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=3000)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["replicated_params"] == {} and report["replicate_size"] == replicate
+    cfg = load_config(REPO / "recipes" / "dsv3_16b_mxfp8.yaml", estimation_overrides(world, str(tmp_path), replicate),
+                      model_section=DeepseekV3Task.model_section)
+    shard = world // replicate  # + the shard sub-mesh's int64 rank tensor FSDP2 slices on meta
+    assert report["resting_bytes"] == _expected_resting(cfg, shard, "mxfp8") + 8 * shard
 
 
 @pytest.mark.slow
