@@ -35,7 +35,8 @@ import numpy as np
 from te_npu.errors import ConfigError
 from te_npu.training import hf_data, megatron_data
 from te_npu.training.blend import TokenBlend
-from te_npu.training.gpt_samples import MegatronSplit, read_global_samples
+from te_npu.training.gpt_samples import MegatronSplit
+from te_npu.training.megatron_data import read_global_samples
 from te_npu.training.hf_stream import HFStream
 from te_npu.training.splits import DataSplits
 from te_npu.training.sampling import TokenBatcher, make_batcher, validation_batches

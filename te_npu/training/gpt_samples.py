@@ -15,7 +15,7 @@ data-parallel ranks as Megatron's ``MegatronPretrainingSampler`` does.
   and micro batch; ``start_sample`` starts a fresh run at a global sample (a Megatron run's
   ``consumed_samples``).
 
-``read_global_samples(data, seq_len, seed, indices)`` reads samples of a ``data`` section
+``megatron_data.read_global_samples(data, seq_len, seed, indices)`` reads samples of a ``data`` section
 without training. The number of samples a split is indexed for matters to Megatron only through
 the epochs it needs (a run of more samples than one epoch); ``train_samples`` gives it.
 
@@ -37,7 +37,7 @@ from te_npu.training.indexed_dataset import MegatronIndexedDataset
 from te_npu.training.token_dataset import TokenDataset, describe_invalid_id, first_invalid_id, split_windows
 
 __all__ = ["GPTSource", "MegatronSplit", "GPTSamples", "BlendedSamples", "MegatronBatcher",
-           "megatron_validation_batches", "read_global_samples"]
+           "megatron_validation_batches"]
 
 _SPLIT_NAMES = ("train", "valid", "test")
 
@@ -300,37 +300,3 @@ def megatron_validation_batches(data: MegatronSplit, micro_batch_size: int, seq_
     for k in range(available):
         c = k * per_batch + rank * micro_batch_size
         yield split_windows(samples.window_array(range(c, c + micro_batch_size), vocab_size))
-
-
-def read_global_samples(data: Any, seq_len: int, seed: int, indices: Sequence[int], *,
-                        train_samples: int | None = None, split: str = "train") -> np.ndarray:
-    """Global samples ``indices`` of a ``data`` section (a ``DataConfig`` of kind ``megatron``, or
-    the mapping written under ``data:``) without training: ``[len(indices), seq_len + 1]`` int64,
-    ``input_ids = row[:-1]``, ``labels = row[1:]``; Megatron's ``GPTDataset`` / ``BlendedDataset``
-    sample ``i`` for ``--seed seed --seq-length seq_len`` and the same ``--split`` / blend.
-
-    ``train_samples``: the samples the index is built for (Megatron's ``--train-samples`` /
-    ``--train-iters x --global-batch-size``; default ``data.train_samples``, else one epoch, else
-    (weighted blends) ``max(indices) + 1``). ``split``: ``"train"`` or ``"valid"``. The indices are
-    cached in ``data.cache_dir``.
-    """
-    from te_npu.training.config import DataConfig
-    from te_npu.training.megatron_data import build_megatron
-
-    if not isinstance(data, DataConfig):
-        data = DataConfig(**dict(data))
-    if data.kind != "megatron":
-        raise ValueError(f"data.kind {data.kind!r}: read_global_samples reads data.kind 'megatron' sections")
-    splits = build_megatron(data, None, False)
-    which = {"train": splits.train, "valid": splits.val}.get(split)
-    if which is None:
-        raise ValueError(f"split {split!r}: expected 'train' or 'valid'")
-    wanted = [int(i) for i in indices]
-    n = train_samples if train_samples is not None else data.train_samples
-    if n is None and which.weights is not None:
-        n = max(wanted, default=0) + 1
-    samples = which.samples(seq_len, seed, n)
-    if wanted and not 0 <= min(wanted) <= max(wanted) < len(samples):
-        raise IndexError(f"global samples {min(wanted)}..{max(wanted)} outside the {len(samples)} samples of "
-                         f"{samples.describe()}")
-    return samples.window_array(wanted)

@@ -23,7 +23,10 @@ holds the indices as ``--data-cache-path`` does, ``data.train_samples`` sizes th
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from te_npu.errors import ConfigError
 from te_npu.training.blend import parse_blend
@@ -32,7 +35,8 @@ from te_npu.training.indexed_dataset import IndexFormatError, MegatronIndexedDat
 from te_npu.training.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split, split_range
 from te_npu.training.token_dataset import TokenDataset
 
-__all__ = ["KEYS", "check_config", "build_megatron", "open_indexed", "document_split", "sequence_split"]
+__all__ = ["KEYS", "check_config", "build_megatron", "open_indexed", "document_split", "sequence_split",
+           "read_global_samples"]
 
 KEYS = frozenset({"path", "blend", "val_path", "val_blend", "split", "start_sample", "train_samples"})
 """The optional ``data.*`` keys this kind reads."""
@@ -146,3 +150,32 @@ def document_split(dataset: MegatronIndexedDataset, fractions: tuple[float, floa
     header = {"format": "megatron.indexed", "dtype": dataset.dtype.name, "num_tokens": dataset.num_tokens,
               "documents": [begin, end], **(meta or {})}
     return TokenDataset.view(dataset.prefix, dataset.tokens[first:last], header, start=first)
+
+
+def read_global_samples(data: Any, seq_len: int, seed: int, indices: Sequence[int], *,
+                        train_samples: int | None = None, split: str = "train") -> np.ndarray:
+    """Global samples ``indices`` of a ``data`` section (a ``DataConfig`` of kind ``megatron``, e.g.
+    ``load_config({"data": {...}}).data``) without training: ``[len(indices), seq_len + 1]`` int64,
+    ``input_ids = row[:-1]``, ``labels = row[1:]``; Megatron's ``GPTDataset`` / ``BlendedDataset``
+    sample ``i`` for ``--seed seed --seq-length seq_len`` and the same ``--split`` / blend.
+
+    ``train_samples``: the samples the index is built for (Megatron's ``--train-samples`` /
+    ``--train-iters x --global-batch-size``; default ``data.train_samples``, else one epoch, else
+    (weighted blends) ``max(indices) + 1``). ``split``: ``"train"`` or ``"valid"``. The indices are
+    cached in ``data.cache_dir``.
+    """
+    if data.kind != "megatron":
+        raise ValueError(f"data.kind {data.kind!r}: read_global_samples reads data.kind 'megatron' sections")
+    splits = build_megatron(data, None, False)
+    which = {"train": splits.train, "valid": splits.val}.get(split)
+    if which is None:
+        raise ValueError(f"split {split!r}: expected 'train' or 'valid'")
+    wanted = [int(i) for i in indices]
+    n = train_samples if train_samples is not None else data.train_samples
+    if n is None and which.weights is not None:
+        n = max(wanted, default=0) + 1
+    samples = which.samples(seq_len, seed, n)
+    if wanted and not 0 <= min(wanted) <= max(wanted) < len(samples):
+        raise IndexError(f"global samples {min(wanted)}..{max(wanted)} outside the {len(samples)} samples of "
+                         f"{samples.describe()}")
+    return samples.window_array(wanted)

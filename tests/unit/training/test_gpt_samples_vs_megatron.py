@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from te_npu.training import gpt_index
-from te_npu.training.gpt_samples import read_global_samples
+from te_npu.training.megatron_data import read_global_samples
 from te_npu.training.data import build_splits
 from te_npu.training.config import DataConfig
 from te_npu.training.sampling import make_batcher
@@ -44,12 +44,12 @@ def test_gpt_dataset_samples_equal_megatrons(prefixes, tmp_path, kind, seed, seq
     prefix = prefixes[kind]
     train, valid, _ = megatron_datasets([prefix], seed=seed, seq_len=seq_len, sizes=(train_samples, 50, 0),
                                         split=SPLIT, cache=str(tmp_path / "mg_cache"))
-    data = {"kind": "megatron", "path": str(prefix), "cache_dir": str(tmp_path / "cache"), "split": SPLIT}
+    data = DataConfig(kind="megatron", path=str(prefix), cache_dir=str(tmp_path / "cache"), split=SPLIT)
     mine = read_global_samples(data, seq_len, seed, range(len(train)), train_samples=train_samples)
     assert np.array_equal(mine, np.stack([megatron_sample(train, i) for i in range(len(train))]))
     mine = read_global_samples(data, seq_len, seed, range(len(valid)), train_samples=50, split="valid")
     assert np.array_equal(mine, np.stack([megatron_sample(valid, i) for i in range(len(valid))]))
-    splits = build_splits(DataConfig(**data))  # split by sequence, as GPTDataset.numel_low_level_dataset
+    splits = build_splits(data)  # split by sequence, as GPTDataset.numel_low_level_dataset
     assert (splits.train.sources[0].begin, splits.train.sources[0].end) == (int(train.indices[0]),
                                                                           int(train.indices[-1]) + 1)
     assert splits.val.sources[0].begin == int(valid.indices[0])
@@ -61,7 +61,7 @@ def test_blended_dataset_samples_equal_megatrons(prefixes, tmp_path, weights):
     train, valid, _ = megatron_datasets(([p, q], list(weights) if weights else None), seed=5, seq_len=48,
                                         sizes=(2000, 40, 0), split=SPLIT)  # a cached BlendedDataset needs a process group
     blend = [[weights[0], str(p)], [weights[1], str(q)]] if weights else f"{p} {q}"
-    data = {"kind": "megatron", "blend": blend, "cache_dir": str(tmp_path / "cache"), "split": SPLIT}
+    data = DataConfig(kind="megatron", blend=blend, cache_dir=str(tmp_path / "cache"), split=SPLIT)
     mine = read_global_samples(data, 48, 5, range(len(train)), train_samples=2000)
     assert np.array_equal(mine, np.stack([megatron_sample(train, i) for i in range(len(train))]))
     mine = read_global_samples(data, 48, 5, range(len(valid)), train_samples=40, split="valid")
