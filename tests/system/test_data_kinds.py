@@ -36,7 +36,7 @@ def test_tiny_job_trains_from_a_megatron_indexed_dataset(tmp_path, single_proces
                                                      "data.split=90,10", *ONE_RANK], steps=4, save_at=None)
     losses = [r["lm_loss"] for r in result["records"]]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]  # it learns the text
-    assert result["data_state"]["kind"] == "windows" and result["data_state"]["consumed_samples"] == 4 * 2
+    assert result["data_state"]["kind"] == "megatron" and result["data_state"]["consumed_samples"] == 4 * 2
 
 
 def test_corrupt_index_refused_before_the_model_is_built(tmp_path, single_process):
