@@ -6,7 +6,6 @@ import pytest
 
 from te_npu import ConfigError
 from te_npu.training import data as data_module
-from te_npu.training.blend import TokenBlend
 from te_npu.training.config import DataConfig, load_config
 from te_npu.training.data import build_splits, check_token_ids
 from te_npu.training.indexed_dataset import IndexFormatError, MegatronIndexedDataset, write_indexed_dataset
