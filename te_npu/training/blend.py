@@ -49,12 +49,14 @@ __all__ = [
 # ---------------------------------------------------------------------------------------
 
 
-def parse_blend(value: Any, key: str) -> tuple[tuple[float, str], ...]:
+def parse_blend(value: Any, key: str) -> tuple[tuple[float | None, str], ...]:
     """``data.blend`` as written -> ``((weight, prefix), ...)``; ``ConfigError`` naming ``key``.
 
     Accepts a list of ``[weight, prefix]`` pairs, or Megatron's flat weight/prefix sequence as a
-    string (``"0.3 web 0.7 code"``) or a list (``[0.3, web, 0.7, code]``). Weights must be
-    finite and > 0 (as Megatron asserts); prefixes non-empty strings.
+    string (``"0.3 web 0.7 code"``) or a list (``[0.3, web, 0.7, code]``), or prefixes alone
+    (``"web code"``, ``[web, code]``: Megatron's ``--data-path a b``, weight None for each, i.e.
+    weighted by the datasets' sizes). Weights must be finite and > 0 (as Megatron asserts);
+    prefixes non-empty strings.
     """
     if isinstance(value, str):
         items: list[Any] = value.split()
@@ -69,6 +71,11 @@ def parse_blend(value: Any, key: str) -> tuple[tuple[float, str], ...]:
             if len(pair) != 2:
                 raise ConfigError(f"{key}[{n}]: expected [weight, prefix], got {list(pair)!r}")
             pairs.append((pair[0], pair[1]))
+    elif items and not any(_is_number(i) for i in items):  # prefixes only: Megatron weighs them by size
+        for n, prefix in enumerate(items):
+            if not isinstance(prefix, str) or not prefix.strip():
+                raise ConfigError(f"{key}[{n}]: the dataset prefix must be a non-empty string, got {prefix!r}")
+        return tuple((None, p.strip()) for p in items)
     else:
         if not items or len(items) % 2:
             raise ConfigError(f"{key}: {value!r} is not weight/prefix pairs (Megatron's \"0.3 web 0.7 code\"); "
@@ -84,6 +91,16 @@ def parse_blend(value: Any, key: str) -> tuple[tuple[float, str], ...]:
             raise ConfigError(f"{where}: the dataset prefix must be a non-empty string, got {prefix!r}")
         out.append((weight, prefix.strip()))
     return tuple(out)
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _number(value: Any, where: str) -> float:

@@ -291,7 +291,10 @@ class DataConfig:
     in place: ``path`` (one prefix) or ``blend`` (``[[0.3, /data/web], [0.7, /data/code]]`` or
     Megatron's flat ``"0.3 /data/web 0.7 /data/code"``); validation from ``val_path`` /
     ``val_blend``, else the valid share of ``split`` (Megatron's ``"969,30,1"``, the default),
-    by documents (``te_npu.training.megatron_data``).
+    by sequences; the samples and their order are Megatron's ``GPTDataset`` / ``BlendedDataset``
+    ones, indexed in ``cache_dir`` for ``train_samples`` samples (Megatron's ``--train-samples``;
+    default: this run's); ``start_sample`` starts a fresh run at that global sample
+    (``te_npu.training.megatron_data``).
 
     ``kind: hf``: a local Hugging Face dataset at ``path`` (parquet / jsonl / arrow / txt / csv
     files, a folder of them, or a ``save_to_disk`` folder), column ``text_key`` of split
@@ -316,6 +319,8 @@ class DataConfig:
     text_key: str = "text"
     hf_split: str = "train"
     streaming: bool = False
+    start_sample: int | None = option(None, ge=0)
+    train_samples: int | None = option(None, ge=1)
 
     def __post_init__(self) -> None:
         check_data_config(self)

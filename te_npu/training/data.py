@@ -9,8 +9,9 @@ split (``DataSplits``). A new kind joins with one entry. Today:
   byte value, vocab 256; byte 0, NUL, absent from source text, ends each document), whole files
   held out for validation, cached in the te_npu token format (``token_dataset``);
 - ``bin``: a prepared te_npu token split (``scripts/prepare_data.py``);
-- ``megatron``: Megatron-LM indexed datasets read in place, one prefix or a weighted blend
-  (``megatron_data``, ``indexed_dataset``, ``blend``);
+- ``megatron``: Megatron-LM indexed datasets read in place, one prefix or a blend, served as
+  Megatron's ``GPTDataset`` / ``BlendedDataset`` samples (``megatron_data``, ``gpt_samples``,
+  ``gpt_index``, ``indexed_dataset``); ``read_global_samples`` reads them without training;
 - ``hf``: a local Hugging Face dataset tokenized once into a cached Megatron indexed dataset
   (``hf_data``), or tokenized as it is read (``streaming: true``, ``hf_stream``).
 
@@ -34,6 +35,8 @@ import numpy as np
 from te_npu.errors import ConfigError
 from te_npu.training import hf_data, megatron_data
 from te_npu.training.blend import TokenBlend
+from te_npu.training.gpt_samples import MegatronSplit
+from te_npu.training.megatron_data import read_global_samples
 from te_npu.training.hf_stream import HFStream
 from te_npu.training.splits import DataSplits
 from te_npu.training.sampling import TokenBatcher, make_batcher, validation_batches
@@ -68,6 +71,7 @@ __all__ = [
     "SCAN_LIMIT_BYTES",
     "BYTE_VOCAB_SIZE",
     "BYTE_EOS_ID",
+    "read_global_samples",
 ]
 
 BYTE_VOCAB_SIZE = 256  # byte-level: token id = byte value
@@ -206,7 +210,8 @@ class DataKind:
     writes_cache: bool = False
 
 
-OPTIONAL_KEYS = ("path", "val_path", "blend", "val_blend", "split", "tokenizer", "streaming")
+OPTIONAL_KEYS = ("path", "val_path", "blend", "val_blend", "split", "tokenizer", "streaming", "start_sample",
+                 "train_samples")
 """``data.*`` keys that mean something for some kinds only (None when unset; false for ``streaming``)."""
 
 
@@ -299,6 +304,9 @@ def check_token_ids(data: TokenDataset | TokenBlend, vocab_size: int, key: str) 
     """
     if isinstance(data, TokenBlend):
         notes = [check_token_ids(part.data, vocab_size, part.key) for part in data.parts]
+        return "; ".join(n for n in notes if n) or None
+    if isinstance(data, MegatronSplit):  # each dataset's share of the split, as the tokens of its .bin
+        notes = [check_token_ids(view, vocab_size, part_key) for view, part_key in data.token_views()]
         return "; ".join(n for n in notes if n) or None
     if isinstance(data, HFStream):  # nothing to read ahead; load_tokenizer checked its vocabulary
         return (f"{key}: {data.describe()} is tokenized as it is read: its {data.vocab_size}-id tokenizer fits the "

@@ -1,5 +1,6 @@
 """Deterministic, resumable samplers over token splits: ``TokenBatcher`` (one split, epochs of
 shuffled windows), ``BlendBatcher`` (a weighted blend, ``te_npu.training.blend``),
+``MegatronBatcher`` (Megatron's own samples and order, ``te_npu.training.gpt_samples``),
 ``StreamBatcher`` (a streamed HF dataset, ``te_npu.training.hf_stream``) and the fixed validation
 batches; ``make_batcher`` / ``validation_batches`` pick the one a split needs.
 
@@ -18,9 +19,10 @@ import numpy as np
 import torch
 
 from te_npu.training.blend import BlendBatcher, TokenBlend, blend_validation_batches
+from te_npu.training.gpt_samples import MegatronBatcher, MegatronSplit, megatron_validation_batches
 from te_npu.training.hf_stream import HFStream, StreamBatcher, stream_validation_batches
 
-__all__ = ["TokenBatcher", "BlendBatcher", "StreamBatcher", "make_batcher", "validation_batches"]
+__all__ = ["TokenBatcher", "BlendBatcher", "StreamBatcher", "MegatronBatcher", "make_batcher", "validation_batches"]
 
 
 
@@ -182,23 +184,43 @@ _SAMPLERS = ((TokenBlend, BlendBatcher), (HFStream, StreamBatcher))
 """Split type -> its sampler (anything else: ``TokenBatcher``)."""
 
 
-def make_batcher(data: Any, micro_batch_size: int, seq_len: int, **kwargs: Any) -> TokenBatcher | BlendBatcher:
-    """The sampler of a train split: ``BlendBatcher`` for a ``TokenBlend``, else ``TokenBatcher``
-    (``kwargs``: ``seed``, ``rank``, ``world_size``, ``shuffle``, ``vocab_size``)."""
+def make_batcher(data: Any, micro_batch_size: int, seq_len: int, *, run_samples: int | None = None,
+                 start_sample: int | None = None, train_samples: int | None = None,
+                 **kwargs: Any) -> TokenBatcher | BlendBatcher | MegatronBatcher:
+    """The sampler of a train split: ``BlendBatcher`` for a ``TokenBlend``, ``MegatronBatcher`` for
+    a ``MegatronSplit``, else ``TokenBatcher`` (``kwargs``: ``seed``, ``rank``, ``world_size``,
+    ``shuffle``, ``vocab_size``). Megatron's samples only: ``start_sample`` (``data.start_sample``)
+    and ``train_samples`` (``data.train_samples``; default ``start_sample + run_samples``, the
+    samples this run reads: ``train_steps x`` the global batch)."""
+    if isinstance(data, MegatronSplit):
+        kwargs.pop("shuffle", None)  # Megatron's order is always shuffled (megatron_data.check_config)
+        if train_samples is None:
+            if run_samples is None:
+                raise ValueError("Megatron's samples need train_samples or run_samples (how many the index covers)")
+            train_samples = (start_sample or 0) + run_samples
+        return MegatronBatcher(data, micro_batch_size, seq_len, train_samples=train_samples,
+                               start_sample=start_sample, **kwargs)
     cls = next((batcher for kind, batcher in _SAMPLERS if isinstance(data, kind)), TokenBatcher)
     return cls(data, micro_batch_size, seq_len, **kwargs)
 
 
 def validation_batches(
     data: Any, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0, world_size: int = 1,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, seed: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``num_batches`` validation batches of this rank, always the same ones.
 
     One split: samples in file order, rank-strided like ``TokenBatcher``; yields fewer batches
     when the split is short (every rank the same count) and raises ``ValueError`` if it has none.
     A blend: the start of its stream (``blend_validation_batches``), each dataset in file order.
+    Megatron's samples (a ``MegatronSplit``, ``seed`` required): the first batches of its
+    validation ``GPTDataset`` / ``BlendedDataset`` (``megatron_validation_batches``).
     """
+    if isinstance(data, MegatronSplit):
+        if seed is None:
+            raise ValueError("Megatron's validation samples need the seed (training.seed)")
+        return megatron_validation_batches(data, micro_batch_size, seq_len, seed=seed, num_batches=num_batches,
+                                           rank=rank, world_size=world_size, vocab_size=vocab_size)
     if isinstance(data, HFStream):
         return stream_validation_batches(data, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
                                          world_size=world_size, vocab_size=vocab_size)

@@ -38,10 +38,11 @@ class DataSplits:
 
 
 def parse_split(text: str, key: str) -> tuple[float, float, float]:
-    """Megatron's ``--split`` (``"969,30,1"``, ``"99,1"``; missing parts are 0) -> normalised
-    (train, valid, test) fractions. ``ConfigError`` if a part is negative or not a number, all
-    are 0, or there are more than three."""
-    parts = [p for p in re.split(r"[,/\s]+", str(text).strip()) if p]
+    """Megatron's ``--split`` (``"969,30,1"``, ``"99,1"``, ``"98/2"``, ``"90;5;5"``, ``"9:1"``:
+    Megatron reads the numbers, so ``,`` ``/`` ``;`` ``:`` and spaces all separate; missing parts
+    are 0) -> normalised (train, valid, test) fractions. ``ConfigError`` if a part is negative or
+    not a number, all are 0, or there are more than three."""
+    parts = [p for p in re.split(r"[,/;:\s]+", str(text).strip()) if p]
     try:
         values = [float(p) for p in parts]
     except ValueError:

@@ -427,11 +427,22 @@ class Trainer:
             note = check_token_ids(dataset, self.vocab_size, key)
             if note:
                 self._print_rank0(f" note: {note}")
-        try:
-            self.batcher = make_batcher(self.train_data, t.micro_batch_size, t.seq_len, seed=t.seed, rank=self.rank,
-                                        world_size=self.world_size, shuffle=d.shuffle, vocab_size=self.vocab_size)
-        except ValueError as exc:
-            raise ConfigError(f"{splits.train_key} / training.seq_len / training.micro_batch_size: {exc}") from None
+        run_samples = t.train_steps * t.micro_batch_size * t.gradient_accumulation_steps * self.world_size
+
+        def batcher():
+            try:
+                return make_batcher(self.train_data, t.micro_batch_size, t.seq_len, seed=t.seed, rank=self.rank,
+                                    world_size=self.world_size, shuffle=d.shuffle, vocab_size=self.vocab_size,
+                                    run_samples=run_samples, start_sample=d.start_sample,
+                                    train_samples=d.train_samples)
+            except ValueError as exc:
+                raise ConfigError(f"{splits.train_key} / training.seq_len / training.micro_batch_size: {exc}") from None
+
+        made = None
+        if getattr(self.train_data, "builds_index", False):  # Megatron's indices: rank 0 builds, the others map
+            made = batcher() if self.rank == 0 else None
+            self._barrier()
+        self.batcher = made if made is not None else batcher()
 
     # ---- one step ----------------------------------------------------------------------------
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], loss_scale: float = 1.0) -> torch.Tensor:
@@ -494,7 +505,7 @@ class Trainer:
         losses = []
         batches = validation_batches(
             self.val_data, t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
-            world_size=self.world_size, vocab_size=self.vocab_size,
+            world_size=self.world_size, vocab_size=self.vocab_size, seed=t.seed,
         )
         with self._watch.phase("evaluation", self.global_step), self._kernels(), \
                 te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):

@@ -143,7 +143,7 @@ def _full_masters(opt) -> dict:
 def _save_worker(rank, world, workdir, fmt, layout, load_from, save_to):
     """``layout`` (replicate, shard): optionally load ``load_from`` (a fresh seed: every value must
     come from it), train, save into ``save_to`` at the step reached, train ``MORE`` more steps."""
-    from te_npu.distributed import checkpoint
+    from te_npu.distributed.storage import dcp as checkpoint
 
     model, opt = _setup(fmt, *layout, seed=123 if load_from else 0)
     step, loaded = 0, None
@@ -167,7 +167,7 @@ def _distcp_bytes(step_dir) -> int:
 def test_hsdp_checkpoint_holds_each_shard_once_and_resumes_on_any_layout(tmp_path):
     """HSDP 2 x 2 saves; a fresh HSDP 2 x 2 job resumes bitwise; flat FSDP 2 loads the same
     masters bit for bit and saves; HSDP 2 x 2 loads that back, bit for bit again."""
-    from te_npu.distributed import checkpoint
+    from te_npu.distributed.storage import dcp as checkpoint
 
     fmt, hsdp, flat = "hif8", (REPLICATE, SHARD), (1, SHARD)
     continuous = run_ranks(_save_worker, WORLD, tmp_path, fmt, hsdp, None, "hsdp")

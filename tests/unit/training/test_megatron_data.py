@@ -6,11 +6,10 @@ import pytest
 
 from te_npu import ConfigError
 from te_npu.training import data as data_module
-from te_npu.training.blend import TokenBlend
 from te_npu.training.config import DataConfig, load_config
 from te_npu.training.data import build_splits, check_token_ids
 from te_npu.training.indexed_dataset import IndexFormatError, MegatronIndexedDataset, write_indexed_dataset
-from te_npu.training.sampling import TokenBatcher
+from te_npu.training.sampling import make_batcher
 from tests.system.megatron_files import MEGATRON_CODES, random_documents, write_megatron
 
 
@@ -99,18 +98,15 @@ def test_short_or_missing_files_refused(tmp_path):
         build_splits(megatron_cfg(blend=f"0.5 {tmp_path / 'web'} 0.5 {tmp_path / 'missing'}"))
 
 
-def test_split_cuts_whole_documents_at_megatrons_bookends(tmp_path):
+def test_split_cuts_sequences_at_megatrons_bookends(tmp_path):
     docs = random_documents(4, 200, vocab=100, min_len=5, max_len=30)
-    prefix = write_megatron(tmp_path / "d", docs)
-    splits = build_splits(megatron_cfg(path=str(prefix), split="969,30,1"))
-    # Megatron: [0, .969, .999, 1.0] x 200 rounded -> train docs [0, 194), valid [194, 200), test [200, 200)
-    cut = sum(len(d) for d in docs[:194])
-    np.testing.assert_array_equal(splits.train.tokens, np.concatenate(docs[:194]))
-    np.testing.assert_array_equal(splits.val.tokens, np.concatenate(docs[194:200]))
-    assert splits.val.start == cut and (splits.train_key, splits.val_key) == ("data.path", "data.split")
-    default = build_splits(megatron_cfg(path=str(prefix)))  # no validation named: Megatron's 969,30,1
-    assert len(default.train) == len(splits.train) and len(default.val) == len(splits.val)
-    with pytest.raises(ConfigError, match=r"data\.path / data\.split: .* has no documents \(valid share of 3\)"):
+    prefix = write_megatron(tmp_path / "d", docs, sentences_per_doc=2)  # 400 sequences
+    splits = build_splits(megatron_cfg(path=str(prefix), split="969;30:1"))
+    # Megatron (GPTDataset splits by sequence): [0, .969, .999, 1.0] x 400 rounded -> [0, 388), [388, 400)
+    (train,), (val,) = splits.train.sources, splits.val.sources
+    assert (train.begin, train.end, val.begin, val.end) == (0, 388, 388, 400)
+    assert (splits.train_key, splits.val_key) == ("data.path", "data.split")
+    with pytest.raises(ConfigError, match=r"data\.path / data\.split: .* has no sequences to sample \(valid share"):
         build_splits(megatron_cfg(path=str(write_megatron(tmp_path / "tiny", docs[:3])), split="98,2,0"))
 
 
@@ -118,10 +114,10 @@ def test_separate_validation_prefix_and_blend(tmp_path):
     docs = random_documents(5, 50, vocab=100)
     train, val = write_megatron(tmp_path / "train", docs[:40]), write_megatron(tmp_path / "val", docs[40:])
     splits = build_splits(megatron_cfg(path=str(train), val_path=str(val)))
-    assert len(splits.train) == sum(map(len, docs[:40])) and splits.val_key == "data.val_path"
+    assert splits.train.sources[0].end == 40 and splits.val_key == "data.val_path"
     splits = build_splits(megatron_cfg(blend=[[1, str(train)], [3, str(val)]], val_blend=f"2 {val}"))
-    assert isinstance(splits.train, TokenBlend) and splits.train.weights == [0.25, 0.75]
-    assert isinstance(splits.val, TokenBlend) and [p.key for p in splits.val.parts] == ["data.val_blend[0]"]
+    assert splits.train.weights == (1.0, 3.0) and splits.val.weights is None  # one-prefix valid blend: a GPTDataset
+    assert [s.key for s in splits.val.sources] == ["data.val_blend[0]"]
 
 
 def test_token_ids_checked_before_training_in_every_dtype(tmp_path):
@@ -146,19 +142,20 @@ def test_large_split_sampled_at_startup_and_checked_exactly_per_batch(tmp_path, 
     train_doc, val_doc = np.arange(20_000) % 250, np.arange(20_000) % 250
     train_doc[10_011] = 300  # between two sampled chunks
     val_doc[19_990] = 301  # inside the last sampled chunk (file offset 39990)
-    splits = build_splits(megatron_cfg(path=str(write_megatron(tmp_path / "big", [train_doc, val_doc])), split="1,1"))
+    splits = build_splits(megatron_cfg(path=str(write_megatron(tmp_path / "big", [train_doc, val_doc])), split="1,1",
+                                       cache_dir=str(tmp_path / "cache")))
     monkeypatch.setattr(data_module, "SCAN_LIMIT_BYTES", 1000)
     monkeypatch.setattr(data_module, "SAMPLE_CHUNK_TOKENS", 100)
     with pytest.raises(ConfigError, match=r"token id 301 at token offset 39990"):
         check_token_ids(splits.val, 256, "data.split")
     note = check_token_ids(splits.train, 256, "data.path")  # 300 at 10011 is not sampled
     assert "sampled 6400 of its 20000 tokens; every batch is checked exactly" in note
-    batcher = TokenBatcher(splits.train, 1, 100, seed=0, shuffle=False, vocab_size=256)
-    for _ in range(200):
+    batcher = make_batcher(splits.train, 1, 100, seed=0, train_samples=199, vocab_size=256)
+    for _ in range(199):
         try:
             next(batcher)
         except ValueError as exc:
-            assert "token id 300 at token offset 10011 (sample 100) is >= the model's vocab_size 256" in str(exc)
+            assert "token id 300 at position" in str(exc) and "is >= the model's vocab_size 256" in str(exc)
             break
     else:
         raise AssertionError("the per-batch check missed token 300")
@@ -185,7 +182,7 @@ def test_config_accepts_blend_spellings(case):
     ({"kind": "megatron", "blend": "0.3 /a -0.7 /b"}, r"data\.blend\[1\]: weight -0\.7 of '/b' must be a finite number > 0"),
     ({"kind": "megatron", "blend": [[0, "/a"]]}, r"data\.blend\[0\]: weight 0\.0"),
     ({"kind": "megatron", "blend": "0.3 /a 0.7"}, r"data\.blend: .* give a weight before every prefix"),
-    ({"kind": "megatron", "blend": "web code"}, r"data\.blend\[0\]: weight 'web' is not a number"),
+    ({"kind": "megatron", "blend": "0.3 /a code /b"}, r"data\.blend\[1\]: weight 'code' is not a number"),
     ({"kind": "megatron"}, r"data\.path / data\.blend: .* give exactly one"),
     ({"kind": "megatron", "path": "/a", "blend": "1 /b"}, r"give exactly one"),
     ({"kind": "megatron", "path": "/a", "split": "99,1", "val_path": "/v"}, r"data\.split: .* not both"),
