@@ -19,8 +19,9 @@
   found by its peers' stall watch (``te_npu.training.stall``, started by the trainer once the
   process group exists): the first rank to see it prints one line naming the stalled rank and
   every rank that sees it leaves with exit code 4. A collective that times out first (the
-  process group's timeout, ``training.collective_timeout_s``) is reported the same way when a
-  peer has gone silent.
+  process group's timeout, ``training.collective_timeout_s``; ``is_collective_timeout``) is
+  reported the same way, exit 4: the watch's line naming the rank the others waited for (a
+  silent one, one behind, or one alive but busy outside the collective).
 - a full disk (``te_npu.distributed.disk_space.DiskFullError``) is one line too, without a
   traceback: the folder, the bytes needed, what is left.
 
@@ -33,6 +34,7 @@ touch (``_job_store``).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import select
 import signal
@@ -63,6 +65,7 @@ __all__ = [
     "LaunchEnv",
     "StopRequest",
     "exit_code_for",
+    "is_collective_timeout",
     "launch_env",
     "root_cause",
     "run_job",
@@ -169,6 +172,18 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_ERROR
 
 
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """``exc`` (or what is behind it) is a process group's timeout: gloo's ``Timed out waiting
+    ... for recv operation`` / ``Application timeout caused pair closure`` (``RuntimeError``),
+    NCCL's / HCCL's watchdog ``DistBackendError`` ("... timed out" / "Watchdog caught collective
+    operation timeout"), a store wait's ``DistStoreError`` timeout."""
+    return any(isinstance(inner, RuntimeError) and any(w in str(inner).lower() for w in _TIMEOUT_WORDS)
+               for inner in exception_chain(exc))
+
+
 def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
     """Run ``body(stop)`` as one rank of a job; return its exit code, or leave the process with
     ``os._exit`` when a multi-rank job fails (see the module doc)."""
@@ -189,8 +204,8 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
         # (half) destroyed -- an interruption inside close(): an interpreter that finalizes with a
         # live gloo group aborts ("terminate called without an active exception")
         multi_rank = (dist.is_initialized() and dist.get_world_size() > 1) or stop.watch.started
-        stall = stop.watch.diagnose() if multi_rank and code == EXIT_ERROR else None
-        if stall is not None:  # a collective timed out because a peer went silent: that is the report
+        stall = stop.watch.diagnose(timed_out=is_collective_timeout(exc)) if multi_rank and code == EXIT_ERROR else None
+        if stall is not None:  # a peer went silent, or a collective timed out waiting for a rank: name it
             exc, code = _Stalled(stall), EXIT_STALLED
         code = _report(exc, code, env, stderr, multi_rank)
         if multi_rank:
@@ -201,9 +216,27 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
     finally:
         stop.watch.stop()
         guard.uninstall()
-    if stop.signum is not None:
-        return 128 + stop.signum
-    return EXIT_OK
+    code = 128 + stop.signum if stop.signum is not None else EXIT_OK
+    if stop.watch.started:  # a rank of a multi-rank job: no interpreter finalization (see _leave)
+        _leave(code, stderr)
+    return code
+
+
+def _leave(code: int, stderr) -> None:
+    """End a rank of a multi-rank job that succeeded: flush, then ``os._exit``.
+
+    Interpreter finalization is where the rare ``terminate called without an active exception``
+    (SIGABRT, exit 134) after a clean run came from: a daemon thread that is inside, or returns
+    from, a torch C++ call (a store ``get`` / ``set``, pybind11 with the GIL released) when the
+    interpreter finalizes is ended by CPython with ``pthread_exit``, whose unwinding through
+    pybind11's ``noexcept`` GIL guard calls ``std::terminate`` (20 of 20 with a store loop in a
+    daemon thread at ``sys.exit``). The stall watch was such a thread whenever ``stop`` gave up
+    joining it (a bounded join on a loaded host); it is now joined for good, and nothing else is
+    left to finalize that could abort: the logs, the lock and the process group were closed by
+    the body, so leaving like the error path does loses nothing."""
+    _flush(stderr)
+    logging.shutdown()
+    os._exit(code)
 
 
 # ---- reporting ---------------------------------------------------------------------------------

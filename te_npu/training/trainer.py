@@ -45,7 +45,7 @@ import te_npu
 from te_npu import events
 from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, checkpoint_folder, layer_units, shard_model
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
-from te_npu.compat import default_store, local_tensor
+from te_npu.compat import default_store, local_tensor, set_process_group_timeout
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
 from te_npu.ops import require_low_precision, use_quant_kernel
@@ -154,6 +154,7 @@ class Trainer:
         self._unconfirmed: list[int] = []  # steps this run saved whose weights no later loss has vouched for yet
         self._saved: list[int] = []  # every step this run saved, in order
         self._resume_step: int | None = None  # the step this run resumed from
+        self._warmed: set[str] = set()  # "step", "evaluation": run once by this process (warm-up over)
 
     # ---- build -------------------------------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
@@ -375,8 +376,10 @@ class Trainer:
         t, env = self.cfg.training, launch_env()
         device_type = t.device  # torch_npu was imported by the preflight device check
         if not dist.is_initialized() and env.world_size > 1:
+            # setup and the first step are warm-up: the process group's timeout drops to
+            # collective_timeout_s once the first step is done (_warm_up)
             dist.init_process_group(backend=t.resolved_backend,
-                                    timeout=datetime.timedelta(seconds=t.collective_timeout_s))
+                                    timeout=datetime.timedelta(seconds=self._warm_up_s()))
             self._owns_process_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -457,13 +460,14 @@ class Trainer:
         lr = self.set_lr(step)
         self._synchronize()
         start = time.perf_counter()
-        with self._watch.phase("forward/backward", step + 1):  # each piece bounded by collective_timeout_s
-            losses = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
-        with self._watch.phase("optimizer step", step + 1):
-            result = self.optimizer_step()
-        with self._watch.phase("loss all-reduce", step + 1):
-            loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
-            self._synchronize()
+        with self._warm_up("step") as limit:  # each piece bounded by collective_timeout_s (warm-up: its own)
+            with self._watch.phase("forward/backward", step + 1, limit_s=limit):
+                losses = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
+            with self._watch.phase("optimizer step", step + 1, limit_s=limit):
+                result = self.optimizer_step()
+            with self._watch.phase("loss all-reduce", step + 1, limit_s=limit):
+                loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
+                self._synchronize()
         elapsed = time.perf_counter() - start
         self.global_step += 1
         tokens = sum(b[0].numel() for b in micro_batches) * self.world_size
@@ -478,11 +482,34 @@ class Trainer:
             self.val_data, t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
             world_size=self.world_size, vocab_size=self.vocab_size,
         )
-        with self._watch.phase("evaluation", self.global_step), self._kernels(), \
-                te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+        with self._warm_up("evaluation") as limit, self._watch.phase("evaluation", self.global_step, limit_s=limit), \
+                self._kernels(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             for input_ids, labels in batches:
                 losses.append(self.task.loss(self.model, input_ids.to(self.device), labels.to(self.device)))
             return self._mean_over_ranks(torch.stack(losses).float().mean())
+
+    def _warm_up_s(self) -> float:
+        t = self.cfg.training
+        return max(t.first_step_timeout_s, t.collective_timeout_s)
+
+    @contextlib.contextmanager
+    def _warm_up(self, kind: str):
+        """The first ``kind`` ("step", "evaluation") of this process is warm-up (a compile, graph
+        capture, communicator setup): yields its limit, ``training.first_step_timeout_s``, with
+        the process group's timeout at it; then ``collective_timeout_s`` again. Yields None after."""
+        if kind in self._warmed:
+            yield None
+            return
+        t = self.cfg.training
+        multi = self.world_size > 1 and dist.is_initialized() and dist.get_backend() != "fake"
+        if multi and kind != "step":  # setup through the first step already run at the warm-up timeout
+            set_process_group_timeout(self._warm_up_s())
+        try:
+            yield self._warm_up_s()
+        finally:
+            self._warmed.add(kind)
+            if multi:
+                set_process_group_timeout(t.collective_timeout_s)
 
     # ---- loop --------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
