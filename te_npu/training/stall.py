@@ -95,6 +95,7 @@ class StallWatch:
         self._phase: tuple[str, int, bool, float | None] | None = None  # (name, step, bounded, limit_s)
         self._since = time.monotonic()
         self._seq = 0  # phases entered plus phases left
+        self._failed: tuple | None = None  # (phase, since, seq) when an error left a phase
         self._main = threading.main_thread().ident
         self._beat = 0
         self._peers: dict[int, dict] = {}
@@ -114,6 +115,10 @@ class StallWatch:
         self._seq += 1
         try:
             yield
+        except BaseException:
+            if self._failed is None:  # the innermost phase an error left: where the rank was when it failed
+                self._failed = (self._phase, self._since, self._seq)
+            raise
         finally:
             self._seq += 1
             self._phase, self._since = outer, since if outer is not None else time.monotonic()
@@ -160,7 +165,9 @@ class StallWatch:
             return None
         with contextlib.suppress(Exception):  # the freshest peer records, if the store still answers
             self._read_peers()
-        return self._waiting_line(f"a collective timed out while this rank was {self._doing()}")
+        if self._failed is not None:  # back where the collective timed out: this rank waited in it
+            self._phase, self._since, self._seq = self._failed
+        return self._waiting_line(f"a collective timed out while this rank was {self._doing()}", waiting=True)
 
     # ---- the watch thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -228,10 +235,13 @@ class StallWatch:
         return (f"[rank {self.rank}/{self.world}] stalled: {who}: stopped, frozen or its host is gone; this rank was "
                 f"{self._doing()}; ending the job (training.collective_timeout_s={self.timeout_s:g})")
 
-    def _waiting_line(self, what: str) -> str:
-        """This rank waited too long (``what``): the rank(s) the others wait for, if any stands out."""
+    def _waiting_line(self, what: str, *, waiting: bool | None = None) -> str:
+        """This rank waited too long (``what``): the rank(s) the others wait for, if any stands out
+        (``waiting``: this rank's own state, when known better than its main thread's frame)."""
         records = {p: r for p, r in self._peers.items() if p in self._changed and not r.get("done")}
         records[self.rank] = self._record()
+        if waiting is not None:
+            records[self.rank]["waiting"] = waiting
         late = waited_for(records)
         limit = f"training.collective_timeout_s={self.timeout_s:g}"
         if self._phase is not None and self._phase[3] is not None:

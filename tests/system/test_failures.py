@@ -459,3 +459,33 @@ def test_converter_errors_are_one_line_exit_2(tmp_path):
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("ConfigError: "), lines
     assert "is not a te_npu DCP checkpoint" in lines[0]
+
+
+# ---- 9. issue 32: a busy rank is named, a compile is not a stall ------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["busy:1:3:25:sleep", "busy:1:3:25:gil", "busy:1:3:25:spin", "busy_save:1:2:25"],
+                         ids=["sleep", "gil", "spin", "save"])
+def test_a_rank_busy_past_the_collective_timeout_is_named_exit_4(tmp_path, fault):
+    """A live rank busy past training.collective_timeout_s used to end with gloo's 60-line
+    `Timed out waiting 10000ms` traceback naming no rank, exit 1."""
+    job = Job(tmp_path, "training.train_steps=6", "training.collective_timeout_s=10", "checkpoint.interval=2",
+              fault=fault)
+    job.wait_for(lambda: "faulty_pretrain: rank 1 busy for" in job.output(), "the busy rank")
+    busy = time.monotonic()
+    code = job.wait()
+    took = time.monotonic() - busy
+    out = job.output()
+    lines = [x for x in out.splitlines() if "stalled:" in x]
+    assert code == 4 and len(lines) == 1 and "Traceback" not in out, out
+    pids = job.worker_pids()
+    assert f"rank 1 (pid {pids[1]}, host " in lines[0], lines[0]
+    if fault.endswith(":gil"):  # its heartbeat thread cannot run while it holds the GIL
+        assert "has sent no heartbeat for" in lines[0], lines[0]
+    else:
+        what = "checkpoint save" if fault.startswith("busy_save") else "optimizer step"
+        assert f"is alive but in iteration {2 if 'save' in fault else 3}, {what} for" in lines[0], lines[0]
+        assert "the other ranks waited for it" in lines[0], lines[0]
+        assert "while this rank was in iteration" in lines[0], lines[0]
+    assert "launch: the job failed with exit code 4" in out, out
+    print(f"{fault}: exit {code} {took:.1f} s after rank 1 turned busy (collective_timeout_s=10); {lines[0]}")
