@@ -45,6 +45,7 @@ import te_npu
 from te_npu import events
 from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint, checkpoint_folder, layer_units, shard_model
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
+from te_npu.distributed.hf_checkpoint import export_state
 from te_npu.compat import default_store, local_tensor, set_process_group_timeout
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
@@ -534,7 +535,13 @@ class Trainer:
         if self._resume_step is not None:  # resumed: the steps after it are redone, each logged once
             self.logger.resume_at(self.global_step)
         if self.global_step >= t.train_steps:
-            self._print_rank0(f" training already complete at iteration {self.global_step}; nothing to do")
+            unfinished = self._unfinished_export()
+            if unfinished is None:
+                self._print_rank0(f" training already complete at iteration {self.global_step}; nothing to do")
+            else:  # the export is part of finishing the run: a run that died in it finishes it now
+                self._print_rank0(f" training already complete at iteration {self.global_step}, its HF export is not "
+                                  f"({unfinished}): exporting it now")
+                self.save_hf()
         global_batch = t.micro_batch_size * t.gradient_accumulation_steps * self.world_size
         while self.global_step < t.train_steps:
             record = self.train_step()
@@ -667,8 +674,23 @@ class Trainer:
                                                owner={"lineage": self.lineage, "step": self.global_step},
                                                source=c.initial_load_path)
         self._print_rank0(f" exported Hugging Face weights at iteration {self.global_step} to {report.directory} "
-                          f"({len(report.files)} file(s), {report.total_bytes / 2**20:.1f} MiB, {c.export_dtype})")
+                          f"({len(report.files)} file(s), {report.total_bytes / 2**20:.1f} MiB, {c.export_dtype})"
+                          f"{'; it replaces the interrupted export left in ' + report.directory + '.tmp' if report.completed else ''}")
+        if report.kept:
+            self._print_rank0(f" note: kept {', '.join(report.kept)} in {report.directory}: not written by the earlier "
+                              "export of this run it replaces, so left as it was")
         return report.directory
+
+    def _unfinished_export(self) -> str | None:
+        """What is wrong with the HF export of this step (rank 0's view, on every rank), or None:
+        complete, or no export configured."""
+        if self.cfg.checkpoint.last_save_format != "hf":
+            return None
+        state = [export_state(self._export_dir(self.global_step), {"lineage": self.lineage, "step": self.global_step})
+                 if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(state, src=0)
+        return state[0]
 
     def _export_dir(self, step: int) -> str:
         c = self.cfg.checkpoint

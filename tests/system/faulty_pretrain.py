@@ -14,6 +14,8 @@
   ``slow_save``: the save is then in its window).
 - ``die_after_publish:N``: rank 0 kills itself (SIGKILL) in the save of step N right after
   ``latest`` names it, before the directory is renamed (the publication window).
+- ``slow_export:T``: every rank sleeps T seconds in the HF export, after the staging shards are
+  written (with ``save_marker``: the marker is created then; a window in which to signal);
 - ``busy:R:S:T:HOW``: rank R stays busy T seconds at the start of optimizer step S, alive:
   ``sleep`` (time.sleep), ``gil`` (libc ``sleep`` called holding the GIL: a long pure-C call,
   so its heartbeat thread cannot run), ``spin`` (a pure-Python busy loop);
@@ -66,6 +68,18 @@ def _install(fault: str) -> None:
             return original_hash(directory, names)
 
         checkpoint.hash_files = slow_hash
+    elif kind == "slow_export":
+        from te_npu.distributed import hf_checkpoint
+
+        original_consolidate = hf_checkpoint.consolidate_safetensors_files
+
+        def slow_consolidate(*args, **kwargs):
+            if _marker:
+                open(_marker[0], "a").close()
+            time.sleep(float(arg))
+            return original_consolidate(*args, **kwargs)
+
+        hf_checkpoint.consolidate_safetensors_files = slow_consolidate
     elif kind == "busy":
         rank, step, seconds, how = arg.split(":")
         original_step = Trainer.optimizer_step

@@ -489,3 +489,65 @@ def test_a_rank_busy_past_the_collective_timeout_is_named_exit_4(tmp_path, fault
         assert "while this rank was in iteration" in lines[0], lines[0]
     assert "launch: the job failed with exit code 4" in out, out
     print(f"{fault}: exit {code} {took:.1f} s after rank 1 turned busy (collective_timeout_s=10); {lines[0]}")
+
+
+def test_a_cold_compile_of_the_first_step_is_not_a_stall(tmp_path):
+    """torch.compile of the quantization kernels with an empty inductor cache takes ~10-19 s in the
+    first step (and the first evaluation): at collective_timeout_s=5 that used to end a healthy job
+    as a stall (exit 4). The warm-up gets training.first_step_timeout_s instead."""
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # inherited by the launched job (a cold cache)
+    try:
+        job = Job(tmp_path, "training.train_steps=4", "training.collective_timeout_s=5", "training.eval_interval=2",
+                  "training.quant_kernel=compiled", "checkpoint.interval=0")
+    finally:
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    code = job.wait(timeout=600)
+    out = job.output()
+    assert code == 0 and "stalled" not in out, out
+    first = next(x for x in out.splitlines() if "iteration        1/" in x)
+    ms = float(first.split("elapsed time per iteration (ms): ")[1].split(" |")[0])
+    assert "quantization kernel: compiled" in out and "validation loss at iteration 2" in out, out
+    assert any(cache.iterdir())  # the compile did run cold, into this cache
+    print(f"cold compiled first step: {ms / 1e3:.1f} s at collective_timeout_s=5, exit {code}")
+
+
+# ---- 10. issue 32: an export is never lost or destructive ---------------------------------------------
+
+
+def test_an_interrupted_export_is_completed_by_the_rerun_and_keeps_a_users_file(tmp_path):
+    """SIGTERM during the final HF export, then the same command: the rerun used to say 'training already
+    complete; nothing to do' and leave hf/step_4.tmp; a later export deleted a file the user added to it."""
+    export, marker = tmp_path / "export", tmp_path / "exporting"
+    hf = ("checkpoint.last_save_format=hf", f"checkpoint.export_dir={export}", "checkpoint.interval=2")
+    first = Job(tmp_path / "a", "training.train_steps=4", *hf, fault=f"save_marker:{marker},slow_export:60")
+    first.wait_for(marker.exists, "the HF export")
+    os.kill(first.proc.pid, signal.SIGTERM)
+    assert first.wait() == 128 + signal.SIGTERM
+    assert (tmp_path / "export.tmp").is_dir() and not export.exists()
+    again = Job(tmp_path / "b", "training.train_steps=4", *hf, ckpt=first.ckpt)
+    assert again.wait() == 0, again.output()
+    out = again.output()
+    assert "training already complete at iteration 4, its HF export is not (an interrupted export" in out, out
+    assert f"; it replaces the interrupted export left in {export}.tmp" in out, out
+    record = json.loads((export / "te_npu_export.json").read_text())
+    assert record["step"] == 4 and "model.safetensors" in record["files"] and not (tmp_path / "export.tmp").exists()
+    (export / "tokenizer.json").write_text('{"user": true}')
+    more = Job(tmp_path / "c", "training.train_steps=6", *hf, ckpt=first.ckpt)
+    assert more.wait() == 0, more.output()
+    notes = [x for x in more.output().splitlines() if "note: kept" in x]
+    assert notes == [f" note: kept tokenizer.json in {export}: not written by the earlier export of this run it "
+                     "replaces, so left as it was"], more.output()
+    assert (export / "tokenizer.json").read_text() == '{"user": true}'
+    assert json.loads((export / "te_npu_export.json").read_text())["step"] == 6
+    # the converter on that step, over an interrupted export of it, completes it too
+    (tmp_path / "conv.tmp" / "sharded").mkdir(parents=True)
+    (tmp_path / "conv.tmp" / "sharded" / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
+    done = subprocess.run([sys.executable, "scripts/convert_checkpoint.py", "dcp-to-hf", "--config", str(RECIPE),
+                           "--checkpoint", str(first.ckpt), "--out", str(tmp_path / "conv"), "--no-progress", *SMALL],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG,
+                          env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+    assert done.returncode == 0, done.stderr
+    assert f"it completes the interrupted export left in {tmp_path / 'conv'}.tmp" in done.stdout, done.stdout
+    assert json.loads((tmp_path / "conv" / "te_npu_export.json").read_text())["step"] == 6
