@@ -51,6 +51,7 @@ import torch.distributed as dist
 from te_npu.compat import default_store
 from te_npu.distributed.disk_space import DiskFullError
 from te_npu.errors import ConfigError, exception_chain
+from te_npu.training import mapped_files
 from te_npu.training.divergence import TrainingDiverged
 from te_npu.training.stall import EXIT_STALLED, StallWatch
 
@@ -92,10 +93,13 @@ class LaunchEnv:
     world_size: int
     local_world_size: int
     under_torchrun: bool
+    mapped_files_dir: str | None = None
+    """Where the launcher asks ranks to record their memory-mapped files (``te_npu.training.mapped_files``)."""
 
 
 def launch_env() -> LaunchEnv:
-    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID``."""
+    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID``
+    / ``TE_NPU_MAPPED_FILES``."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     return LaunchEnv(
@@ -104,6 +108,7 @@ def launch_env() -> LaunchEnv:
         world_size=world,
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
         under_torchrun="TORCHELASTIC_RUN_ID" in env,
+        mapped_files_dir=env.get(mapped_files.ENV) or None,
     )
 
 
@@ -266,6 +271,9 @@ def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: b
         print(f"{where}{exc}" if isinstance(exc, DiskFullError) else str(exc), file=stderr, flush=True)
     elif isinstance(exc, SystemExit):
         pass  # argparse and friends have printed their message already
+    elif multi_rank and _lost_a_peer(exc):  # a consequence: the peer that died is named by the launcher
+        print(f"{where}failed: {type(exc).__name__}: {_first_line(exc)} (a peer closed its connection: it died; "
+              "the launcher's summary names it)", file=stderr, flush=True)
     else:
         print(f"{where}failed: {type(exc).__name__}: {_first_line(exc)}", file=stderr)
         traceback.print_exception(exc, file=stderr)
@@ -290,6 +298,15 @@ def _claim_first_failure(rank: int, code: int) -> tuple[bool | None, int]:
         return None, code
     first_rank, _, first_code = current.partition(":")
     return (current == mine), int(first_code or code)
+
+
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    """``exc`` is a collective that broke because a peer's process ended (gloo's "Connection closed by peer")."""
+    return any(isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_GONE)
+               for e in exception_chain(exc))
 
 
 def _first_line(exc: BaseException) -> str:

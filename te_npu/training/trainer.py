@@ -51,7 +51,7 @@ from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
 from te_npu.ops import require_low_precision, use_quant_kernel
 from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
-from te_npu.training import hf_weights, preflight
+from te_npu.training import hf_weights, mapped_files, preflight
 from te_npu.training.config import TrainConfig
 from te_npu.training.data import DATA_KINDS, build_splits, check_token_ids, make_batcher, validation_batches
 from te_npu.training.divergence import DivergenceGuard, TrainingDiverged
@@ -211,6 +211,7 @@ class Trainer:
             jsonl_name=cfg.logging.metrics_jsonl,
             tensorboard=cfg.logging.tensorboard,
             print_fn=self._print,
+            fresh=self._resume_step is None,  # a fresh run in a used logging.dir starts a clean metrics.jsonl
         )
         self.logger.log_config(cfg.to_dict())
         flops_of = getattr(self.task, "flops_per_token", None)
@@ -413,6 +414,7 @@ class Trainer:
             note = check_token_ids(dataset, self.vocab_size, key)
             if note:
                 self._print_rank0(f" note: {note}")
+        mapped_files.record(launch_env().mapped_files_dir, self.rank)  # the launcher's SIGBUS diagnosis
         try:
             self.batcher = make_batcher(self.train_data, t.micro_batch_size, t.seq_len, seed=t.seed, rank=self.rank,
                                         world_size=self.world_size, shuffle=d.shuffle, vocab_size=self.vocab_size)

@@ -551,3 +551,39 @@ def test_an_interrupted_export_is_completed_by_the_rerun_and_keeps_a_users_file(
     assert done.returncode == 0, done.stderr
     assert f"it completes the interrupted export left in {tmp_path / 'conv'}.tmp" in done.stdout, done.stdout
     assert json.loads((tmp_path / "conv" / "te_npu_export.json").read_text())["step"] == 6
+
+
+# ---- 11. issue 32: the launcher's summary names the first rank to die, and a truncated data file ----------
+
+
+def test_kill_9_of_one_rank_is_named_by_the_launcher(tmp_path):
+    """The summary used to name rank 0's "Connection closed by peer" instead of rank 1's SIGKILL."""
+    job = Job(tmp_path, "training.train_steps=400")
+    pids = job.wait_steps(3)
+    os.kill(pids[1], signal.SIGKILL)
+    assert job.wait() == 128 + signal.SIGKILL
+    out = job.output()
+    summary = [x for x in out.splitlines() if x.startswith("launch: ")]
+    assert summary and summary[0].startswith(f"launch: the job failed: rank 1 (pid {pids[1]}) was killed by SIGKILL, "
+                                             "the first rank to fail"), out
+    assert "Traceback" not in out, out
+
+
+def test_a_data_file_truncated_while_the_job_runs_is_named_exit_2(tmp_path):
+    """A .bin truncated under the running job used to end with only `rank 0 was killed by SIGBUS`."""
+    import numpy as np
+
+    from te_npu.training.data import write_token_file
+
+    ids = np.random.default_rng(0).integers(1, 256, size=400_000)
+    write_token_file(tmp_path / "tok", [("d", b"", ids)], vocab_size=256, tokenizer={}, eos_token_id=None,
+                     split="train")
+    job = Job(tmp_path, "training.train_steps=400", "data.kind=bin", f"data.path={tmp_path / 'tok'}")
+    job.wait_steps(2)
+    os.truncate(tmp_path / "tok.bin", 4096)
+    code = job.wait()
+    out = job.output()
+    line = next((x for x in out.splitlines() if x.startswith("launch: ")), "")
+    assert code == 2, out
+    assert "was killed by SIGBUS reading a file that changed under it: " in line, out
+    assert f"{tmp_path / 'tok.bin'} is now 4096 bytes, 800000 when the job mapped it" in line, line
