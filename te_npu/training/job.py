@@ -177,7 +177,7 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_ERROR
 
 
-_TIMEOUT_WORDS = ("timed out", "timeout")
+_TIMEOUT_WORDS = ("timed out", "timeout caused", "operation timeout", "socket timeout", "wait timeout")
 
 
 def is_collective_timeout(exc: BaseException) -> bool:
@@ -235,10 +235,11 @@ def _leave(code: int, stderr) -> None:
     from, a torch C++ call (a store ``get`` / ``set``, pybind11 with the GIL released) when the
     interpreter finalizes is ended by CPython with ``pthread_exit``, whose unwinding through
     pybind11's ``noexcept`` GIL guard calls ``std::terminate`` (20 of 20 with a store loop in a
-    daemon thread at ``sys.exit``). The stall watch was such a thread whenever ``stop`` gave up
-    joining it (a bounded join on a loaded host); it is now joined for good, and nothing else is
-    left to finalize that could abort: the logs, the lock and the process group were closed by
-    the body, so leaving like the error path does loses nothing."""
+    daemon thread at ``sys.exit``). The stall watch, which calls the store every period, was the
+    one such thread of a rank, left running whenever ``stop`` gave up its bounded join (2 periods
+    + 1 s, on a loaded host); ``stop`` now joins it for good, and leaving without finalizing
+    closes the door on any other (a library's daemon thread, a C++ static destructor). The body
+    has closed the logs, the lock and the process group already, so nothing is lost."""
     _flush(stderr)
     logging.shutdown()
     os._exit(code)

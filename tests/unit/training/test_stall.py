@@ -131,3 +131,20 @@ def test_stall_watch_without_a_job_or_a_peer_does_nothing():
 
 def test_stall_heartbeat_period():
     assert period_for(600) == 5.0 and period_for(10) == 2.0 and period_for(0.1) == 0.2
+
+
+def test_stall_watch_names_a_peer_stopped_before_its_first_beat_by_pid():
+    """A rank stopped in its first seconds used to be named "(never reported)", without its pid."""
+    store, lines = HashStore(), []
+    zero = StallWatch(on_stall=lines.append)
+    one = StallWatch(on_stall=print)
+    one.start(TIMEOUT, store=store, rank=1, world=2)
+    one._stopped.set()  # frozen at once: no heartbeat after the one written at start
+    one._thread.join()
+    zero.start(TIMEOUT, store=store, rank=0, world=2)
+    try:
+        _wait_for(lambda: lines, "verdict")
+    finally:
+        zero.stop()
+    assert lines[0].startswith(f"[rank 0/2] stalled: rank 1 (pid {os.getpid()}, host "), lines[0]
+    assert "never reported" not in lines[0]
