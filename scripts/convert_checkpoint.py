@@ -77,7 +77,11 @@ def _convert(args: argparse.Namespace) -> None:
                            overwrite=args.overwrite, progress=not args.no_progress)
         if rank == 0:
             print(f"convert_checkpoint: wrote {report.directory}: {len(report.files)} file(s), "
-                  f"{report.num_tensors} tensors, {report.total_bytes / 2**20:.1f} MiB ({args.dtype})")
+                  f"{report.num_tensors} tensors, {report.total_bytes / 2**20:.1f} MiB ({args.dtype})"
+                  f"{'; it completes the interrupted export left in ' + report.directory + '.tmp' if report.completed else ''}")
+            if report.kept:
+                print(f"convert_checkpoint: kept {', '.join(report.kept)} in {report.directory}: not written by the "
+                      "earlier export it replaces, so left as it was")
     else:
         path = hf_to_dcp(cfg, DeepseekV3Task(), args.hf, args.out, progress=not args.no_progress)
         if rank == 0:

@@ -395,3 +395,18 @@ def _param_groups(state) -> list:
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)  # earlier releases: at most one
     return [] if group is None else [group]
+
+
+def set_process_group_timeout(seconds: float, group=None) -> bool:
+    """Set the timeout of ``group``'s (default: the default group's) later collectives
+    (``torch.distributed.distributed_c10d._set_pg_timeout``); False where the backend has no
+    settable timeout (torch supports gloo and NCCL; HCCL keeps the one it was created with)."""
+    import datetime
+    import warnings
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+    return not any("only supported" in str(w.message) for w in caught)

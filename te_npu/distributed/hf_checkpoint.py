@@ -19,12 +19,19 @@ consolidate the output files between them (file ``i`` on rank ``(i - 1) % world`
 no rank gathers the model, and a save that dies leaves no half-written ``<dir>``.
 
 What an export may replace: ``<dir>`` absent or empty, or, with ``owner``, a directory whose
-``te_npu_export.json`` (written into every export with ``owner``'s record) names the same
-lineage: an earlier export of the same run. Anything else is refused before any tensor is
-written unless ``overwrite``. An existing ``<dir>`` is renamed ``<dir>.replaced`` before the new
-one takes its name and deleted after. Rank 0 checks the free space first (the staging files and
-the consolidated ones coexist: twice the export's bytes). ``extra_files`` are copied in as they are
-(the source checkpoint's tokenizer files, ``generation_config.json``).
+``te_npu_export.json`` (written into every export with ``owner``'s record and the list of files
+the export wrote) names the same lineage: an earlier export of the same run. Anything else is
+refused before any tensor is written unless ``overwrite``. The export writes and deletes only
+its own files: in an earlier export, the files its record does not list (a tokenizer a user
+added, notes) are moved into the new export as they are and named in ``HFWriteReport.kept``; one
+whose name the new export writes too is refused before anything is written, naming it (the
+export would overwrite it). The earlier export's own files go to ``<dir>.replaced`` while the new
+one takes its name, and are deleted after. A ``<dir>.tmp`` left by an export that died (only
+export files in it) is removed and the export written again (``HFWriteReport.completed``).
+Rank 0 checks the free space first (the staging files and the consolidated ones coexist: twice
+the export's bytes). ``extra_files`` are copied in as they are (the source checkpoint's tokenizer
+files, ``generation_config.json``). ``export_state`` says whether a directory holds a complete
+export of a given run and step.
 
 Every file read is named in the error it causes: a ``config.json`` or index that is not JSON, a
 safetensors file whose header does not parse or that is shorter than its header says.
@@ -61,6 +68,7 @@ __all__ = [
     "save_hf_weights",
     "hf_file_names",
     "export_owner",
+    "export_state",
     "EXPORT_RECORD",
 ]
 
@@ -117,6 +125,10 @@ class HFWriteReport:
     files: tuple[str, ...]
     num_tensors: int
     total_bytes: int
+    kept: tuple[str, ...] = ()
+    """Files of the earlier export this one replaced that it did not write: moved in, untouched."""
+    completed: bool = False
+    """A ``<dir>.tmp`` of an export that died was found and this export replaced it."""
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -297,12 +309,16 @@ def save_hf_weights(
     rank, world = process_group.rank(), process_group.world_size()
     total = sum(_numel(e.shape) * e.dtype.itemsize for e in entries)
     what = f"HF export to {final}"
-    problem = None
+    written = sorted({*names.values(), CONFIG_FILE, *(extra_files or {}), *([INDEX_FILE] if len(names) > 1 else []),
+                      *([EXPORT_RECORD] if owner is not None else [])})
+    problem, completed = None, False
     if rank == 0:
-        refused = _replace_problem(final, owner, overwrite)
+        refused = _replace_problem(final, owner, overwrite) or _foreign_clash(final, written, overwrite)
+        refused = refused or _staging_problem(tmp)
         needed = 2 * total + (64 << 20)  # the sharded staging files and the consolidated ones coexist
-        if refused is None:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an export that died
+        if refused is None and os.path.isdir(tmp):
+            shutil.rmtree(tmp)  # export files of an export that died (checked by _staging_problem)
+            completed = True
         if refused is not None:
             problem = ("config", refused)
         elif (free := free_bytes(os.path.dirname(final))) < needed:
@@ -310,7 +326,7 @@ def save_hf_weights(
                                 f"about {format_bytes(needed)} while it is written; nothing was written")
         else:
             os.makedirs(staging)
-    problem = _rank0_decision(problem)
+    problem, completed = _rank0_decision((problem, completed))
     if problem is not None:
         kind, message = problem
         raise ConfigError(message) if kind == "config" else DiskFullError(message)
@@ -334,14 +350,16 @@ def save_hf_weights(
             for name, source in sorted((extra_files or {}).items()):
                 shutil.copyfile(source, os.path.join(tmp, name))
             if owner is not None:
-                _write_json(os.path.join(tmp, EXPORT_RECORD), dict(owner))
+                _write_json(os.path.join(tmp, EXPORT_RECORD), {**owner, "files": written})
             shutil.rmtree(staging)
-            _replace_dir(tmp, final)
+            kept = _replace_dir(tmp, final, overwrite)
     except BaseException as exc:  # a full disk: anything from OSError to "unexpected pos", in DCP's CheckpointException
         raise_if_disk_full(exc, os.path.dirname(final), 2 * total, what)
         raise
+    kept = _rank0_decision(kept if rank == 0 else None)
     process_group.barrier()
-    return HFWriteReport(final, tuple(names.values()), len(entries), total)
+    return HFWriteReport(final, tuple(names.values()), len(entries), total, tuple(kept), completed)
+
 
 
 def export_owner(directory: str | os.PathLike) -> dict | None:
@@ -388,14 +406,77 @@ def _replace_problem(final: str, owner: Mapping[str, Any] | None, overwrite: boo
             "refusing to replace it (choose a new directory, or pass overwrite to replace it)")
 
 
-def _replace_dir(tmp: str, final: str) -> None:
-    """``tmp`` becomes ``final``; an existing ``final`` is renamed aside first and deleted after."""
+def export_state(directory: str | os.PathLike, owner: Mapping[str, Any]) -> str | None:
+    """None if ``directory`` holds a complete export of ``owner`` (its ``lineage`` and ``step``:
+    the record names them and every file it lists is there), else what is wrong, in words."""
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.isdir(directory + ".tmp"):
+        return f"an interrupted export ({directory}.tmp) was never finished"
+    record = export_owner(directory)
+    if record is None:
+        return f"{directory} holds no export" if not os.path.isdir(directory) or not os.listdir(directory) else \
+            f"{directory} has no {EXPORT_RECORD}"
+    if record.get("lineage") != owner.get("lineage") or record.get("step") != owner.get("step"):
+        return f"{directory} holds the export of step {record.get('step')} of run {record.get('lineage')}"
+    absent = [n for n in record.get("files", ()) if not os.path.isfile(os.path.join(directory, n))]
+    return f"{directory} lacks {', '.join(absent[:5])}" if absent else None
+
+
+def _own_files(directory: str) -> set[str] | None:
+    """The files an earlier export in ``directory`` wrote (its record's list; a record from before
+    the list: the files every export writes), None if it is not an export."""
+    record = export_owner(directory)
+    if record is None:
+        return None
+    if isinstance(record.get("files"), list):
+        return set(record["files"])
+    return {n for n in os.listdir(directory)
+            if n in (CONFIG_FILE, INDEX_FILE, EXPORT_RECORD) or (n.startswith("model") and n.endswith(_SUFFIX))}
+
+
+def _foreign_clash(final: str, written: list[str], overwrite: bool) -> str | None:
+    """Refusal when a file the export did not write in an earlier export bears a name it writes now."""
+    own = _own_files(final) if os.path.isdir(final) and not overwrite else None
+    if own is None:
+        return None
+    clash = sorted((set(os.listdir(final)) - own) & set(written))
+    if not clash:
+        return None
+    return (f"HF export: {final!r} holds {', '.join(clash)}, which the earlier export did not write and this one "
+            "would overwrite; refusing (move it out of the export, or choose another directory)")
+
+
+def _staging_problem(tmp: str) -> str | None:
+    """Refusal when ``<dir>.tmp`` holds anything an export does not write (it is removed otherwise)."""
+    if not os.path.lexists(tmp):
+        return None
+    if not os.path.isdir(tmp):
+        return f"HF export: {tmp!r} exists and is not a directory; refusing to remove it"
+    other = sorted(n for n in os.listdir(tmp) if not (n == "sharded" or n.endswith(_SUFFIX) or n.endswith(".json")
+                                                      or n.startswith(("tokenizer", "vocab", "merges", "chat_template"))))
+    if other:
+        return (f"HF export: {tmp!r} (an interrupted export's staging folder) also holds {', '.join(other[:5])}; "
+                "refusing to remove it: move those files out")
+    return None
+
+
+def _replace_dir(tmp: str, final: str, overwrite: bool) -> list[str]:
+    """``tmp`` becomes ``final``. An earlier export in ``final``: the files it did not write are
+    moved into ``tmp`` first (returned), its own are renamed aside and deleted after; with
+    ``overwrite``, a non-export ``final`` is replaced whole."""
     aside = final + ".replaced"
+    kept: list[str] = []
     if os.path.lexists(final):
+        own = _own_files(final) if os.path.isdir(final) else None
+        if own is not None:
+            kept = sorted(n for n in os.listdir(final) if n not in own)
+            for name in kept:
+                os.rename(os.path.join(final, name), os.path.join(tmp, name))
         shutil.rmtree(aside, ignore_errors=True)
         os.rename(final, aside)
     os.rename(tmp, final)
     shutil.rmtree(aside, ignore_errors=True)
+    return kept
 
 
 def _rank0_decision(value: Any) -> Any:

@@ -166,6 +166,13 @@ class TrainingConfig:
     16B split over the ranks; raise it for storage so slow that one collective inside a save
     waits longer.
 
+    ``first_step_timeout_s``: the same limit for warm-up: setup, the first step of each process
+    (a fresh start or a resume) and its first evaluation, where a compile (``quant_kernel:
+    compiled``), a graph build or communicator setup can take far longer than a step. The process
+    group's timeout is this during warm-up and ``collective_timeout_s`` after it; the stall
+    watch's step limit likewise (a silent peer is still a stall at ``collective_timeout_s``).
+    Default 1800 s; never less than ``collective_timeout_s``.
+
     ``quant_kernel``: which bit-identical kernels the emulation quantizes and decodes with
     (``te_npu.ops.kernels``), chosen once per run and logged by rank 0: ``eager`` (torch, the
     reference), ``compiled`` (torch.compile of it; cpu / cuda), ``native`` (C++ CPU kernels), or
@@ -203,6 +210,7 @@ class TrainingConfig:
     max_loss_factor: float = option(10.0, ge=0.0)
     collapse_steps: int = option(3, ge=0)
     collective_timeout_s: float = option(600.0, gt=0.0)
+    first_step_timeout_s: float = option(1800.0, gt=0.0)
     quant_kernel: Literal["auto", "eager", "compiled", "native"] = "auto"
     peak_tflops: float | None = option(None, gt=0.0)
 

@@ -75,9 +75,11 @@ def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: s
             bar.update(len(batch))
     torch_dtype = hf_weights.EXPORT_DTYPES[dtype]
     config, extra_files = hf_weights.export_config(adapter, torch_dtype, cfg.checkpoint.initial_load_path)
+    info = checkpoint.step_info(path)  # the export is that run's: a rerun of it sees its step exported
+    owner = {"lineage": info.get("lineage"), "step": int(info["step"])} if info.get("lineage") else None
     return save_hf_weights(out, tensors, adapter.key_map, config, dtype=torch_dtype,
                            max_shard_bytes=max_shard_mb * 2**20, per_expert=per_expert, overwrite=overwrite,
-                           extra_files=extra_files, progress=progress and process_group.rank() == 0)
+                           owner=owner, extra_files=extra_files, progress=progress and process_group.rank() == 0)
 
 
 FRESH_START_EXTRA = {"data": None, "skipped_iterations": 0, "rng": None}

@@ -19,8 +19,9 @@
   found by its peers' stall watch (``te_npu.training.stall``, started by the trainer once the
   process group exists): the first rank to see it prints one line naming the stalled rank and
   every rank that sees it leaves with exit code 4. A collective that times out first (the
-  process group's timeout, ``training.collective_timeout_s``) is reported the same way when a
-  peer has gone silent.
+  process group's timeout, ``training.collective_timeout_s``; ``is_collective_timeout``) is
+  reported the same way, exit 4: the watch's line naming the rank the others waited for (a
+  silent one, one behind, or one alive but busy outside the collective).
 - a full disk (``te_npu.distributed.disk_space.DiskFullError``) is one line too, without a
   traceback: the folder, the bytes needed, what is left.
 
@@ -33,6 +34,7 @@ touch (``_job_store``).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import select
 import signal
@@ -49,6 +51,7 @@ import torch.distributed as dist
 from te_npu.compat import default_store
 from te_npu.distributed.disk_space import DiskFullError
 from te_npu.errors import ConfigError, exception_chain
+from te_npu.training import mapped_files
 from te_npu.training.divergence import TrainingDiverged
 from te_npu.training.stall import EXIT_STALLED, StallWatch
 
@@ -63,6 +66,7 @@ __all__ = [
     "LaunchEnv",
     "StopRequest",
     "exit_code_for",
+    "is_collective_timeout",
     "launch_env",
     "root_cause",
     "run_job",
@@ -89,10 +93,13 @@ class LaunchEnv:
     world_size: int
     local_world_size: int
     under_torchrun: bool
+    mapped_files_dir: str | None = None
+    """Where the launcher asks ranks to record their memory-mapped files (``te_npu.training.mapped_files``)."""
 
 
 def launch_env() -> LaunchEnv:
-    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID``."""
+    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID``
+    / ``TE_NPU_MAPPED_FILES``."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     return LaunchEnv(
@@ -101,6 +108,7 @@ def launch_env() -> LaunchEnv:
         world_size=world,
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
         under_torchrun="TORCHELASTIC_RUN_ID" in env,
+        mapped_files_dir=env.get(mapped_files.ENV) or None,
     )
 
 
@@ -169,6 +177,18 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_ERROR
 
 
+_TIMEOUT_WORDS = ("timed out", "timeout caused", "operation timeout", "socket timeout", "wait timeout")
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """``exc`` (or what is behind it) is a process group's timeout: gloo's ``Timed out waiting
+    ... for recv operation`` / ``Application timeout caused pair closure`` (``RuntimeError``),
+    NCCL's / HCCL's watchdog ``DistBackendError`` ("... timed out" / "Watchdog caught collective
+    operation timeout"), a store wait's ``DistStoreError`` timeout."""
+    return any(isinstance(inner, RuntimeError) and any(w in str(inner).lower() for w in _TIMEOUT_WORDS)
+               for inner in exception_chain(exc))
+
+
 def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
     """Run ``body(stop)`` as one rank of a job; return its exit code, or leave the process with
     ``os._exit`` when a multi-rank job fails (see the module doc)."""
@@ -189,8 +209,8 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
         # (half) destroyed -- an interruption inside close(): an interpreter that finalizes with a
         # live gloo group aborts ("terminate called without an active exception")
         multi_rank = (dist.is_initialized() and dist.get_world_size() > 1) or stop.watch.started
-        stall = stop.watch.diagnose() if multi_rank and code == EXIT_ERROR else None
-        if stall is not None:  # a collective timed out because a peer went silent: that is the report
+        stall = stop.watch.diagnose(timed_out=is_collective_timeout(exc)) if multi_rank and code == EXIT_ERROR else None
+        if stall is not None:  # a peer went silent, or a collective timed out waiting for a rank: name it
             exc, code = _Stalled(stall), EXIT_STALLED
         code = _report(exc, code, env, stderr, multi_rank)
         if multi_rank:
@@ -201,9 +221,28 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
     finally:
         stop.watch.stop()
         guard.uninstall()
-    if stop.signum is not None:
-        return 128 + stop.signum
-    return EXIT_OK
+    code = 128 + stop.signum if stop.signum is not None else EXIT_OK
+    if stop.watch.started:  # a rank of a multi-rank job: no interpreter finalization (see _leave)
+        _leave(code, stderr)
+    return code
+
+
+def _leave(code: int, stderr) -> None:
+    """End a rank of a multi-rank job that succeeded: flush, then ``os._exit``.
+
+    Interpreter finalization is where the rare ``terminate called without an active exception``
+    (SIGABRT, exit 134) after a clean run came from: a daemon thread that is inside, or returns
+    from, a torch C++ call (a store ``get`` / ``set``, pybind11 with the GIL released) when the
+    interpreter finalizes is ended by CPython with ``pthread_exit``, whose unwinding through
+    pybind11's ``noexcept`` GIL guard calls ``std::terminate`` (20 of 20 with a store loop in a
+    daemon thread at ``sys.exit``). The stall watch, which calls the store every period, was the
+    one such thread of a rank, left running whenever ``stop`` gave up its bounded join (2 periods
+    + 1 s, on a loaded host); ``stop`` now joins it for good, and leaving without finalizing
+    closes the door on any other (a library's daemon thread, a C++ static destructor). The body
+    has closed the logs, the lock and the process group already, so nothing is lost."""
+    _flush(stderr)
+    logging.shutdown()
+    os._exit(code)
 
 
 # ---- reporting ---------------------------------------------------------------------------------
@@ -233,6 +272,9 @@ def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: b
         print(f"{where}{exc}" if isinstance(exc, DiskFullError) else str(exc), file=stderr, flush=True)
     elif isinstance(exc, SystemExit):
         pass  # argparse and friends have printed their message already
+    elif multi_rank and _lost_a_peer(exc):  # a consequence: the peer that died is named by the launcher
+        print(f"{where}failed: {type(exc).__name__}: {_first_line(exc)} (a peer closed its connection: it died; "
+              "the launcher's summary names it)", file=stderr, flush=True)
     else:
         print(f"{where}failed: {type(exc).__name__}: {_first_line(exc)}", file=stderr)
         traceback.print_exception(exc, file=stderr)
@@ -257,6 +299,15 @@ def _claim_first_failure(rank: int, code: int) -> tuple[bool | None, int]:
         return None, code
     first_rank, _, first_code = current.partition(":")
     return (current == mine), int(first_code or code)
+
+
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    """``exc`` is a collective that broke because a peer's process ended (gloo's "Connection closed by peer")."""
+    return any(isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_GONE)
+               for e in exception_chain(exc))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -18,7 +18,10 @@ Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (s
 resumes at step ``K`` first moves the ``train`` / ``val`` records of steps after ``K`` -- the
 steps it is about to redo, written by the attempt that died or was rolled back -- into
 ``<name>.redone.jsonl`` (``resume_at``): every step appears once in ``metrics.jsonl``, and
-nothing is lost. Readers still keep the last record of each (kind, step).
+nothing is lost. A fresh run (``fresh=True``: nothing resumed) in a ``logging.dir`` that holds
+an earlier run's file starts a clean one: the old ``metrics.jsonl`` (and its ``.redone.jsonl``)
+move to ``metrics.<N>.jsonl`` (the first free N), named in one line. Readers still keep the last
+record of each (kind, step).
 """
 from __future__ import annotations
 
@@ -121,6 +124,7 @@ class MetricsLogger:
         jsonl_name: str = "metrics.jsonl",
         tensorboard: bool = False,
         print_fn: Callable[[str], None] = print,
+        fresh: bool = False,
     ):
         self.enabled = rank == 0
         self.train_steps = train_steps
@@ -132,6 +136,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            self._set_aside_earlier_run()
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if tensorboard:
             self._tb = _open_tensorboard(self.log_dir / "tensorboard", print_fn)
@@ -217,6 +223,28 @@ class MetricsLogger:
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._write({"kind": "resume", "step": int(step), "time": time.time(), "redone": len(redone)})
         return len(redone)
+
+    def _set_aside_earlier_run(self) -> None:
+        """A fresh run: an earlier run's non-empty file (and its redone records) moves to
+        ``<stem>.<N>.jsonl`` (``<stem>.<N>.redone.jsonl``), N the first number free for both."""
+        if not self.jsonl_path.is_file() or self.jsonl_path.stat().st_size == 0:
+            return
+        redone = self.jsonl_path.with_suffix(".redone.jsonl")
+        n = 1
+        while any(p.exists() for p in self._aside(n)):
+            n += 1
+        aside, aside_redone = self._aside(n)
+        os.rename(self.jsonl_path, aside)
+        moved = [aside.name]
+        if redone.exists():
+            os.rename(redone, aside_redone)
+            moved.append(aside_redone.name)
+        self._print(f" note: {self.jsonl_path} held an earlier run's records (this run starts fresh): moved to "
+                    f"{' and '.join(moved)} in {self.log_dir}")
+
+    def _aside(self, n: int) -> tuple[Path, Path]:
+        stem = self.jsonl_path.name.removesuffix(".jsonl")
+        return self.log_dir / f"{stem}.{n}.jsonl", self.log_dir / f"{stem}.{n}.redone.jsonl"
 
     def close(self) -> None:
         if self._jsonl is not None:

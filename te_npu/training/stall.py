@@ -2,29 +2,45 @@
 that has waited in one step too long, names the stalled rank in one line and ends the job.
 
 A rank can stop making progress without failing: SIGSTOP, a debugger, a process stuck in the
-kernel (D state), a host that vanished without closing its sockets. Its peers then wait in a
+kernel (D state), a host that vanished without closing its sockets, or a rank that is alive but
+busy far longer than its peers (a sleep, a long C call, a slow read). Its peers then wait in a
 collective with nothing printed -- gloo raises only after the process group's timeout, NCCL /
 HCCL's watchdogs abort after theirs with messages that do not say which rank stalled.
 ``StallWatch`` closes that gap, on any backend:
 
 - the trainer marks what its main thread is doing (``with watch.phase("forward/backward",
-  step)``: two attribute writes, no I/O);
-- a thread sends ``{beat, pid, host, step, phase, phase_s, done}`` to the job's store every
-  ``period`` seconds (``period_for``: at most 5 s) and reads every peer's;
-- a peer whose beat has not changed for ``timeout_s`` is **silent**: stopped, frozen or gone
-  (measured on this rank's clock, so hosts need no clock sync); this rank's own main thread is
-  **stuck** when it has stayed in one *bounded* phase (a step's pieces, an evaluation) that long:
-  it waits for a peer stuck in the kernel, or the whole job waits for something. Saves, loads and
-  exports are unbounded (their duration is storage's): inside them only silence counts, and
-  the process group's own timeout bounds each of their collectives;
+  step)``: a few attribute writes, no I/O);
+- a thread sends ``{beat, pid, host, step, phase, phase_s, seq, where, waiting, done}`` to the
+  job's store every ``period`` seconds (``period_for``: at most 5 s) and reads every peer's;
+  the first record is written when the watch starts, so a rank stopped at once is still named
+  by pid and host;
+- a peer whose beat has not changed for ``timeout_s`` is **silent**: stopped, frozen, gone, or
+  holding the GIL in a long C call so its heartbeat thread cannot run (measured on this rank's
+  clock, so hosts need no clock sync); this rank's own main thread is **stuck** when it has
+  stayed in one *bounded* phase (a step's pieces, an evaluation) longer than its limit (the
+  timeout, or the phase's own ``limit_s``: warm-up). Saves, loads and exports are unbounded
+  (their duration is storage's): inside them only silence counts, and the process group's own
+  timeout bounds each of their collectives;
 - the first rank to see either (decided through the store, as ``te_npu.training.job`` decides
   the first failure) prints one line naming the stalled rank(s) -- pid, host, what each last did
   -- and every rank that sees it leaves with ``EXIT_STALLED`` (4). torchrun then stops the rest;
   a stopped process only yields to SIGKILL, after torchrun's 30 s grace.
 
-``diagnose`` gives the same line to the job's error path when a collective timed out before the
-watch fired (the silent peer is then the cause, not the timeout). Nothing here runs without a
-process group of more than one rank.
+Who is being waited for (``waited_for``). Each record carries the rank's ``seq`` (phases entered
+plus phases left: every rank runs the same phases in the same order, so a smaller ``seq`` is a
+rank behind) and where its main thread is (``where``: the innermost Python frame; ``waiting``:
+that frame is inside ``torch.distributed``, i.e. the rank waits in a collective). A rank that
+has waited too long names, in this order: peers gone silent; else the ranks behind; else the
+ranks alive in the same phase but not inside a collective (busy). Only when no rank stands out
+does the line list what every rank does instead. ``diagnose`` gives the job's error path the
+same line when a collective raised its timeout before the watch's own verdict, so every stall
+ends the same way, whichever detector fires first.
+
+Warm-up: the trainer gives the first step of a process and its first evaluation
+``training.first_step_timeout_s`` (``phase(..., limit_s=...)``), and raises the process group's
+timeout to match for that phase (a compile, a graph build, communicator setup).
+
+Nothing here runs without a process group of more than one rank.
 """
 from __future__ import annotations
 
@@ -32,20 +48,37 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Callable, Iterator
 
-__all__ = ["StallWatch", "EXIT_STALLED", "period_for"]
+__all__ = ["StallWatch", "EXIT_STALLED", "period_for", "waited_for"]
 
 EXIT_STALLED = 4
 _KEY = "te_npu/heartbeat/{}"
 _MAX_PERIOD_S = 5.0
+_COLLECTIVE_CODE = "/torch/distributed/"
+"""A main thread whose innermost Python frame lies under this path waits in a collective."""
 
 
 def period_for(timeout_s: float) -> float:
     """Seconds between heartbeats: a fifth of the timeout, at most 5 s, at least 0.2 s."""
     return max(0.2, min(_MAX_PERIOD_S, timeout_s / 5))
+
+
+def waited_for(records: dict[int, dict]) -> list[int]:
+    """The ranks the others wait for, from every live rank's last record (``{rank: record}``):
+    those behind (the smallest ``seq``, when the ranks' differ), else those not inside a
+    collective (``waiting`` false) while another rank is; [] when no rank stands out."""
+    if len(records) < 2:
+        return []
+    seqs = {r: int(rec.get("seq", 0)) for r, rec in records.items()}
+    if len(set(seqs.values())) > 1:
+        low = min(seqs.values())
+        return sorted(r for r, s in seqs.items() if s == low)
+    busy = sorted(r for r, rec in records.items() if not rec.get("waiting"))
+    return busy if len(busy) < len(records) else []
 
 
 class StallWatch:
@@ -59,8 +92,11 @@ class StallWatch:
         self.on_stall = on_stall
         self.timeout_s = 0.0
         self.rank, self.world = 0, 1
-        self._phase: tuple[str, int, bool] | None = None  # (name, step, bounded)
+        self._phase: tuple[str, int, bool, float | None] | None = None  # (name, step, bounded, limit_s)
         self._since = time.monotonic()
+        self._seq = 0  # phases entered plus phases left
+        self._failed: tuple | None = None  # (phase, since, seq) when an error left a phase
+        self._main = threading.main_thread().ident
         self._beat = 0
         self._peers: dict[int, dict] = {}
         self._changed: dict[int, float] = {}
@@ -70,14 +106,21 @@ class StallWatch:
 
     # ---- the main thread's side -------------------------------------------------------------
     @contextlib.contextmanager
-    def phase(self, name: str, step: int, *, bounded: bool = True) -> Iterator[None]:
-        """Mark the main thread as doing ``name`` of ``step`` (``bounded``: it must end within
-        the timeout) until the block ends."""
+    def phase(self, name: str, step: int, *, bounded: bool = True, limit_s: float | None = None) -> Iterator[None]:
+        """Mark the main thread as doing ``name`` of ``step`` until the block ends. ``bounded``:
+        it must end within the timeout, or within ``limit_s`` seconds when given (a warm-up; never
+        less than the timeout)."""
         outer, since = self._phase, self._since
-        self._phase, self._since = (name, int(step), bounded), time.monotonic()
+        self._phase, self._since = (name, int(step), bounded, limit_s), time.monotonic()
+        self._seq += 1
         try:
             yield
+        except BaseException:
+            if self._failed is None:  # the innermost phase an error left: where the rank was when it failed
+                self._failed = (self._phase, self._since, self._seq)
+            raise
         finally:
+            self._seq += 1
             self._phase, self._since = outer, since if outer is not None else time.monotonic()
 
     @property
@@ -92,26 +135,39 @@ class StallWatch:
         self.timeout_s, self.rank, self.world, self._store = float(timeout_s), rank, world, store
         now = time.monotonic()
         self._changed = {p: now for p in range(world) if p != rank}
+        with contextlib.suppress(Exception):  # who this rank is, from the start
+            store.set(_KEY.format(rank), json.dumps(self._record()))
         self._thread = threading.Thread(target=self._run, name="te_npu-stall-watch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop heartbeating; peers are told this rank left on purpose (not a stall)."""
+        """Stop heartbeating and wait for the thread to end (it must not outlive the process
+        group's store: see ``te_npu.training.job``); peers are told this rank left on purpose."""
         if self._thread is None or self._stopped.is_set():
             return
         self._stopped.set()
-        self._thread.join(timeout=2 * period_for(self.timeout_s) + 1.0)
+        self._thread.join()  # its store calls are bounded by the store's own timeout
         with contextlib.suppress(Exception):  # the store may be gone with the job
             self._store.set(_KEY.format(self.rank), json.dumps({**self._record(), "done": True}))
 
-    def diagnose(self) -> str | None:
-        """The stall line if a peer has missed 2 heartbeats or more (else None): the cause of a
-        collective that timed out before the watch's own verdict."""
+    def diagnose(self, *, timed_out: bool = False) -> str | None:
+        """The stall line for the job's error path, or None: a peer that has missed 2 heartbeats
+        or more is the cause of whatever failed; with ``timed_out`` (a collective raised its
+        timeout before the watch's own verdict) the line names the rank the others waited for
+        (``waited_for``), or what every rank does when none stands out."""
         if self._thread is None:
             return None
         now = time.monotonic()
         silent = self._silent(now, 2 * period_for(self.timeout_s))
-        return self._silent_line(silent, now) if silent else None
+        if silent:
+            return self._silent_line(silent, now)
+        if not timed_out:
+            return None
+        with contextlib.suppress(Exception):  # the freshest peer records, if the store still answers
+            self._read_peers()
+        if self._failed is not None:  # back where the collective timed out: this rank waited in it
+            self._phase, self._since, self._seq = self._failed
+        return self._waiting_line(f"a collective timed out while this rank was {self._doing()}", waiting=True)
 
     # ---- the watch thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -129,9 +185,20 @@ class StallWatch:
                 return
 
     def _record(self) -> dict:
-        name, step, _ = self._phase or ("between steps", -1, False)
+        name, step, _, _ = self._phase or ("between steps", -1, False, None)
+        where, waiting = self._where()
         return {"beat": self._beat, "pid": os.getpid(), "host": socket.gethostname(), "step": step, "phase": name,
-                "phase_s": round(time.monotonic() - self._since, 1)}
+                "phase_s": round(time.monotonic() - self._since, 1), "seq": self._seq, "where": where,
+                "waiting": waiting}
+
+    def _where(self) -> tuple[str, bool]:
+        """The main thread's innermost Python frame (``file:line function``), and whether it
+        lies inside ``torch.distributed`` (the rank waits in a collective)."""
+        frame = sys._current_frames().get(self._main)
+        if frame is None:
+            return "", False
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        return f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}", _COLLECTIVE_CODE in path
 
     def _read_peers(self) -> None:
         now = time.monotonic()
@@ -146,11 +213,18 @@ class StallWatch:
 
     def _verdict(self, now: float) -> str | None:
         silent = self._silent(now, self.timeout_s)
-        stuck = self._phase is not None and self._phase[2] and now - self._since > self.timeout_s
+        stuck = self._phase is not None and self._phase[2] and now - self._since > self._limit()
         if not silent and not stuck:
             return None
         quiet = self._silent(now, 2 * period_for(self.timeout_s))  # a peer gone quiet is the cause, if any
-        return self._silent_line(quiet, now) if quiet else self._stuck_line(now)
+        if quiet:
+            return self._silent_line(quiet, now)
+        return self._waiting_line(f"this rank's {self._doing().removeprefix('in ')} has not finished after "
+                                  f"{now - self._since:.1f} s")
+
+    def _limit(self) -> float:
+        limit = self._phase[3] if self._phase is not None else None
+        return self.timeout_s if limit is None else max(limit, self.timeout_s)
 
     def _silent(self, now: float, for_s: float) -> list[int]:
         return [p for p, t in self._changed.items() if now - t >= for_s and not self._peers.get(p, {}).get("done")]
@@ -161,19 +235,34 @@ class StallWatch:
         return (f"[rank {self.rank}/{self.world}] stalled: {who}: stopped, frozen or its host is gone; this rank was "
                 f"{self._doing()}; ending the job (training.collective_timeout_s={self.timeout_s:g})")
 
-    def _stuck_line(self, now: float) -> str:
-        others = "; ".join(f"rank {p} ({self._identity(p)}) {self._peer_doing(p)}" for p in sorted(self._changed))
-        return (f"[rank {self.rank}/{self.world}] stalled: {self._doing()} has not finished after "
-                f"{now - self._since:.1f} s (training.collective_timeout_s={self.timeout_s:g}); its peers: {others}; "
+    def _waiting_line(self, what: str, *, waiting: bool | None = None) -> str:
+        """This rank waited too long (``what``): the rank(s) the others wait for, if any stands out
+        (``waiting``: this rank's own state, when known better than its main thread's frame)."""
+        records = {p: r for p, r in self._peers.items() if p in self._changed and not r.get("done")}
+        records[self.rank] = self._record()
+        if waiting is not None:
+            records[self.rank]["waiting"] = waiting
+        late = waited_for(records)
+        limit = f"training.collective_timeout_s={self.timeout_s:g}"
+        if self._phase is not None and self._phase[3] is not None:
+            limit += f", warm-up training.first_step_timeout_s={self._phase[3]:g}"
+        if late:
+            who = "; ".join(f"rank {p} ({self._identity(p)}) is alive but {self._doing_of(p)}" for p in late)
+            return (f"[rank {self.rank}/{self.world}] stalled: {who}: the other ranks waited for it; {what} "
+                    f"({limit}); ending the job")
+        ranks = "; ".join(f"rank {p} ({self._identity(p)}) {self._doing_of(p)}" for p in sorted(records))
+        return (f"[rank {self.rank}/{self.world}] stalled: {what} ({limit}); no rank is behind the others: {ranks}; "
                 "ending the job")
 
     def _doing(self) -> str:
         if self._phase is None:
             return "between steps"
-        name, step, _ = self._phase
+        name, step, _, _ = self._phase
         return f"in iteration {step}, {name}" if step >= 0 else f"in {name}"
 
     def _identity(self, peer: int) -> str:
+        if peer == self.rank:
+            return f"pid {os.getpid()}, host {socket.gethostname()}, this rank"
         record = self._peers.get(peer)
         return f"pid {record.get('pid')}, host {record.get('host')}" if record else "never reported"
 
@@ -184,10 +273,14 @@ class StallWatch:
         where = f"iteration {record['step']}, {record['phase']}" if record.get("step", -1) >= 0 else record.get("phase")
         return f" (last seen in {where})"
 
-    def _peer_doing(self, peer: int) -> str:
-        record = self._peers.get(peer)
+    def _doing_of(self, peer: int) -> str:
+        """What ``peer`` (or this rank) last reported doing: phase, for how long, where."""
+        record = self._record() if peer == self.rank else self._peers.get(peer)
         if not record:
             return "never reported"
+        at = f" at {record['where']}" if record.get("where") else ""
+        if record.get("waiting"):
+            at += " (in a collective)"
         if record.get("step", -1) < 0:
-            return f"in {record.get('phase')} for {record.get('phase_s')} s"
-        return f"in iteration {record['step']}, {record['phase']} for {record.get('phase_s')} s"
+            return f"in {record.get('phase')} for {record.get('phase_s')} s{at}"
+        return f"in iteration {record['step']}, {record['phase']} for {record.get('phase_s')} s{at}"

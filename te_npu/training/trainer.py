@@ -48,12 +48,13 @@ from te_npu.distributed.sharding import average_replicated_gradients
 from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.distributed.mesh import dp_mesh
-from te_npu.compat import default_store, local_tensor
+from te_npu.distributed.hf_checkpoint import export_state
+from te_npu.compat import default_store, local_tensor, set_process_group_timeout
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
 from te_npu.ops import require_low_precision, use_quant_kernel
 from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
-from te_npu.training import hf_weights, preflight
+from te_npu.training import hf_weights, mapped_files, preflight
 from te_npu.training.config import TrainConfig
 from te_npu.training.data import DATA_KINDS, build_splits, check_token_ids, make_batcher, validation_batches
 from te_npu.training.divergence import DivergenceGuard, TrainingDiverged
@@ -157,6 +158,7 @@ class Trainer:
         self._unconfirmed: list[int] = []  # steps this run saved whose weights no later loss has vouched for yet
         self._saved: list[int] = []  # every step this run saved, in order
         self._resume_step: int | None = None  # the step this run resumed from
+        self._warmed: set[str] = set()  # "step", "evaluation": run once by this process (warm-up over)
 
     # ---- build -------------------------------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
@@ -219,6 +221,7 @@ class Trainer:
             jsonl_name=cfg.logging.metrics_jsonl,
             tensorboard=cfg.logging.tensorboard,
             print_fn=self._print,
+            fresh=self._resume_step is None,  # a fresh run in a used logging.dir starts a clean metrics.jsonl
         )
         self.logger.log_config(cfg.to_dict())
         flops_of = getattr(self.task, "flops_per_token", None)
@@ -390,8 +393,10 @@ class Trainer:
         t, env = self.cfg.training, launch_env()
         device_type = t.device  # torch_npu was imported by the preflight device check
         if not dist.is_initialized() and env.world_size > 1:
+            # setup and the first step are warm-up: the process group's timeout drops to
+            # collective_timeout_s once the first step is done (_warm_up)
             dist.init_process_group(backend=t.resolved_backend,
-                                    timeout=datetime.timedelta(seconds=t.collective_timeout_s))
+                                    timeout=datetime.timedelta(seconds=self._warm_up_s()))
             self._owns_process_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -427,6 +432,7 @@ class Trainer:
             note = check_token_ids(dataset, self.vocab_size, key)
             if note:
                 self._print_rank0(f" note: {note}")
+        mapped_files.record(launch_env().mapped_files_dir, self.rank)  # the launcher's SIGBUS diagnosis
         run_samples = t.train_steps * t.micro_batch_size * t.gradient_accumulation_steps * self.world_size
 
         def batcher():
@@ -486,13 +492,14 @@ class Trainer:
         lr = self.set_lr(step)
         self._synchronize()
         start = time.perf_counter()
-        with self._watch.phase("forward/backward", step + 1):  # each piece bounded by collective_timeout_s
-            losses = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
-        with self._watch.phase("optimizer step", step + 1):
-            result = self.optimizer_step()
-        with self._watch.phase("loss all-reduce", step + 1):
-            loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
-            self._synchronize()
+        with self._warm_up("step") as limit:  # each piece bounded by collective_timeout_s (warm-up: its own)
+            with self._watch.phase("forward/backward", step + 1, limit_s=limit):
+                losses = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
+            with self._watch.phase("optimizer step", step + 1, limit_s=limit):
+                result = self.optimizer_step()
+            with self._watch.phase("loss all-reduce", step + 1, limit_s=limit):
+                loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
+                self._synchronize()
         elapsed = time.perf_counter() - start
         self.global_step += 1
         tokens = sum(b[0].numel() for b in micro_batches) * self.world_size
@@ -507,11 +514,34 @@ class Trainer:
             self.val_data, t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
             world_size=self.world_size, vocab_size=self.vocab_size, seed=t.seed,
         )
-        with self._watch.phase("evaluation", self.global_step), self._kernels(), \
-                te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
+        with self._warm_up("evaluation") as limit, self._watch.phase("evaluation", self.global_step, limit_s=limit), \
+                self._kernels(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             for input_ids, labels in batches:
                 losses.append(self.task.loss(self.model, input_ids.to(self.device), labels.to(self.device)))
             return self._mean_over_ranks(torch.stack(losses).float().mean())
+
+    def _warm_up_s(self) -> float:
+        t = self.cfg.training
+        return max(t.first_step_timeout_s, t.collective_timeout_s)
+
+    @contextlib.contextmanager
+    def _warm_up(self, kind: str):
+        """The first ``kind`` ("step", "evaluation") of this process is warm-up (a compile, graph
+        capture, communicator setup): yields its limit, ``training.first_step_timeout_s``, with
+        the process group's timeout at it; then ``collective_timeout_s`` again. Yields None after."""
+        if kind in self._warmed:
+            yield None
+            return
+        t = self.cfg.training
+        multi = self.world_size > 1 and dist.is_initialized() and dist.get_backend() != "fake"
+        if multi and kind != "step":  # setup through the first step already run at the warm-up timeout
+            set_process_group_timeout(self._warm_up_s())
+        try:
+            yield self._warm_up_s()
+        finally:
+            self._warmed.add(kind)
+            if multi:
+                set_process_group_timeout(t.collective_timeout_s)
 
     # ---- loop --------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
@@ -536,7 +566,13 @@ class Trainer:
         if self._resume_step is not None:  # resumed: the steps after it are redone, each logged once
             self.logger.resume_at(self.global_step)
         if self.global_step >= t.train_steps:
-            self._print_rank0(f" training already complete at iteration {self.global_step}; nothing to do")
+            unfinished = self._unfinished_export()
+            if unfinished is None:
+                self._print_rank0(f" training already complete at iteration {self.global_step}; nothing to do")
+            else:  # the export is part of finishing the run: a run that died in it finishes it now
+                self._print_rank0(f" training already complete at iteration {self.global_step}, its HF export is not "
+                                  f"({unfinished}): exporting it now")
+                self.save_hf()
         global_batch = t.micro_batch_size * t.gradient_accumulation_steps * self.world_size
         while self.global_step < t.train_steps:
             record = self.train_step()
@@ -671,8 +707,23 @@ class Trainer:
                                                owner={"lineage": self.lineage, "step": self.global_step},
                                                source=c.initial_load_path)
         self._print_rank0(f" exported Hugging Face weights at iteration {self.global_step} to {report.directory} "
-                          f"({len(report.files)} file(s), {report.total_bytes / 2**20:.1f} MiB, {c.export_dtype})")
+                          f"({len(report.files)} file(s), {report.total_bytes / 2**20:.1f} MiB, {c.export_dtype})"
+                          f"{'; it replaces the interrupted export left in ' + report.directory + '.tmp' if report.completed else ''}")
+        if report.kept:
+            self._print_rank0(f" note: kept {', '.join(report.kept)} in {report.directory}: not written by the earlier "
+                              "export of this run it replaces, so left as it was")
         return report.directory
+
+    def _unfinished_export(self) -> str | None:
+        """What is wrong with the HF export of this step (rank 0's view, on every rank), or None:
+        complete, or no export configured."""
+        if self.cfg.checkpoint.last_save_format != "hf":
+            return None
+        state = [export_state(self._export_dir(self.global_step), {"lineage": self.lineage, "step": self.global_step})
+                 if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(state, src=0)
+        return state[0]
 
     def _export_dir(self, step: int) -> str:
         c = self.cfg.checkpoint

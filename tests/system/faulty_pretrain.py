@@ -14,9 +14,17 @@
   ``slow_save``: the save is then in its window).
 - ``die_after_publish:N``: rank 0 kills itself (SIGKILL) in the save of step N right after
   ``latest`` names it, before the directory is renamed (the publication window).
+- ``slow_export:T``: every rank sleeps T seconds in the HF export, after the staging shards are
+  written (with ``save_marker``: the marker is created then; a window in which to signal);
+- ``busy:R:S:T:HOW``: rank R stays busy T seconds at the start of optimizer step S, alive:
+  ``sleep`` (time.sleep), ``gil`` (libc ``sleep`` called holding the GIL: a long pure-C call,
+  so its heartbeat thread cannot run), ``spin`` (a pure-Python busy loop);
+  ``busy_save:R:S:T``: rank R sleeps T seconds inside the save of step S (its peers wait in the
+  save's collective, an unbounded phase).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -61,6 +69,38 @@ def _install(fault: str) -> None:
             return original_hash(directory, names)
 
         checkpoint.hash_files = slow_hash
+    elif kind == "slow_export":
+        from te_npu.distributed import hf_checkpoint
+
+        original_consolidate = hf_checkpoint.consolidate_safetensors_files
+
+        def slow_consolidate(*args, **kwargs):
+            if _marker:
+                open(_marker[0], "a").close()
+            time.sleep(float(arg))
+            return original_consolidate(*args, **kwargs)
+
+        hf_checkpoint.consolidate_safetensors_files = slow_consolidate
+    elif kind == "busy":
+        rank, step, seconds, how = arg.split(":")
+        original_step = Trainer.optimizer_step
+
+        def busy_step(self):
+            if _rank() == int(rank) and self.global_step + 1 == int(step):
+                _stay_busy(float(seconds), how)
+            return original_step(self)
+
+        Trainer.optimizer_step = busy_step
+    elif kind == "busy_save":
+        rank, step, seconds = arg.split(":")
+        original_hash_files = checkpoint.hash_files
+
+        def busy_hash(directory, names):
+            if _rank() == int(rank) and os.path.basename(directory) == f"step_{step}.tmp":
+                _stay_busy(float(seconds), "sleep")
+            return original_hash_files(directory, names)
+
+        checkpoint.hash_files = busy_hash
     elif kind == "save_marker":
         _marker.append(arg)
     elif kind == "die_after_publish":
@@ -84,6 +124,20 @@ def _install(fault: str) -> None:
         Trainer.train_step = marked
     elif kind:
         raise SystemExit(f"faulty_pretrain: unknown FAULT {fault!r}")
+
+
+def _stay_busy(seconds: float, how: str) -> None:
+    print(f"faulty_pretrain: rank {_rank()} busy for {seconds:g} s ({how})", flush=True)
+    if how == "sleep":
+        time.sleep(seconds)
+    elif how == "gil":
+        ctypes.PyDLL(None).sleep(int(seconds))  # PyDLL keeps the GIL for the call
+    elif how == "spin":
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    else:
+        raise SystemExit(f"faulty_pretrain: unknown busy kind {how!r}")
 
 
 if __name__ == "__main__":

@@ -460,3 +460,169 @@ def test_converter_errors_are_one_line_exit_2(tmp_path):
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("ConfigError: "), lines
     assert "is not a te_npu DCP checkpoint" in lines[0]
+
+
+# ---- 9. issue 32: a busy rank is named, a compile is not a stall ------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["busy:1:3:25:sleep", "busy:1:3:25:gil", "busy:1:3:25:spin", "busy_save:1:2:25"],
+                         ids=["sleep", "gil", "spin", "save"])
+def test_a_rank_busy_past_the_collective_timeout_is_named_exit_4(tmp_path, fault):
+    """A live rank busy past training.collective_timeout_s used to end with gloo's 60-line
+    `Timed out waiting 10000ms` traceback naming no rank, exit 1."""
+    job = Job(tmp_path, "training.train_steps=6", "training.collective_timeout_s=10", "checkpoint.interval=2",
+              fault=fault)
+    job.wait_for(lambda: "faulty_pretrain: rank 1 busy for" in job.output(), "the busy rank")
+    busy = time.monotonic()
+    code = job.wait()
+    took = time.monotonic() - busy
+    out = job.output()
+    lines = [x for x in out.splitlines() if "stalled:" in x]
+    assert code == 4 and len(lines) == 1 and "Traceback" not in out, out
+    pids = job.worker_pids()
+    assert f"rank 1 (pid {pids[1]}, host " in lines[0], lines[0]
+    if fault.endswith(":gil"):  # its heartbeat thread cannot run while it holds the GIL
+        assert "has sent no heartbeat for" in lines[0], lines[0]
+    else:
+        what = "checkpoint save" if fault.startswith("busy_save") else "optimizer step"
+        assert f"is alive but in iteration {2 if 'save' in fault else 3}, {what} for" in lines[0], lines[0]
+        assert "the other ranks waited for it" in lines[0], lines[0]
+        assert "while this rank was in iteration" in lines[0], lines[0]
+    assert "launch: the job failed with exit code 4" in out, out
+    print(f"{fault}: exit {code} {took:.1f} s after rank 1 turned busy (collective_timeout_s=10); {lines[0]}")
+
+
+def test_a_cold_compile_of_the_first_step_is_not_a_stall(tmp_path):
+    """torch.compile of the quantization kernels with an empty inductor cache takes ~10-19 s in the
+    first step (and the first evaluation): at collective_timeout_s=5 that used to end a healthy job
+    as a stall (exit 4). The warm-up gets training.first_step_timeout_s instead."""
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # inherited by the launched job (a cold cache)
+    try:
+        job = Job(tmp_path, "training.train_steps=4", "training.collective_timeout_s=5", "training.eval_interval=2",
+                  "training.quant_kernel=compiled", "checkpoint.interval=0")
+    finally:
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    code = job.wait(timeout=600)
+    out = job.output()
+    assert code == 0 and "stalled" not in out, out
+    first = next(x for x in out.splitlines() if "iteration        1/" in x)
+    ms = float(first.split("elapsed time per iteration (ms): ")[1].split(" |")[0])
+    assert "quantization kernel: compiled" in out and "validation loss at iteration 2" in out, out
+    assert any(cache.iterdir())  # the compile did run cold, into this cache
+    print(f"cold compiled first step: {ms / 1e3:.1f} s at collective_timeout_s=5, exit {code}")
+
+
+# ---- 10. issue 32: an export is never lost or destructive ---------------------------------------------
+
+
+def test_an_interrupted_export_is_completed_by_the_rerun_and_keeps_a_users_file(tmp_path):
+    """SIGTERM during the final HF export, then the same command: the rerun used to say 'training already
+    complete; nothing to do' and leave hf/step_4.tmp; a later export deleted a file the user added to it."""
+    export, marker = tmp_path / "export", tmp_path / "exporting"
+    hf = ("checkpoint.last_save_format=hf", f"checkpoint.export_dir={export}", "checkpoint.interval=2")
+    first = Job(tmp_path / "a", "training.train_steps=4", *hf, fault=f"save_marker:{marker},slow_export:60")
+    first.wait_for(marker.exists, "the HF export")
+    os.kill(first.proc.pid, signal.SIGTERM)
+    assert first.wait() == 128 + signal.SIGTERM
+    assert (tmp_path / "export.tmp").is_dir() and not export.exists()
+    again = Job(tmp_path / "b", "training.train_steps=4", *hf, ckpt=first.ckpt)
+    assert again.wait() == 0, again.output()
+    out = again.output()
+    assert "training already complete at iteration 4, its HF export is not (an interrupted export" in out, out
+    assert f"; it replaces the interrupted export left in {export}.tmp" in out, out
+    record = json.loads((export / "te_npu_export.json").read_text())
+    assert record["step"] == 4 and "model.safetensors" in record["files"] and not (tmp_path / "export.tmp").exists()
+    (export / "tokenizer.json").write_text('{"user": true}')
+    more = Job(tmp_path / "c", "training.train_steps=6", *hf, ckpt=first.ckpt)
+    assert more.wait() == 0, more.output()
+    notes = [x for x in more.output().splitlines() if "note: kept" in x]
+    assert notes == [f" note: kept tokenizer.json in {export}: not written by the earlier export of this run it "
+                     "replaces, so left as it was"], more.output()
+    assert (export / "tokenizer.json").read_text() == '{"user": true}'
+    assert json.loads((export / "te_npu_export.json").read_text())["step"] == 6
+    # the converter on that step, over an interrupted export of it, completes it too
+    (tmp_path / "conv.tmp" / "sharded").mkdir(parents=True)
+    (tmp_path / "conv.tmp" / "sharded" / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
+    done = subprocess.run([sys.executable, "scripts/convert_checkpoint.py", "dcp-to-hf", "--config", str(RECIPE),
+                           "--checkpoint", str(first.ckpt), "--out", str(tmp_path / "conv"), "--no-progress", *SMALL],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG,
+                          env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+    assert done.returncode == 0, done.stderr
+    assert f"it completes the interrupted export left in {tmp_path / 'conv'}.tmp" in done.stdout, done.stdout
+    assert json.loads((tmp_path / "conv" / "te_npu_export.json").read_text())["step"] == 6
+
+
+# ---- 11. issue 32: the launcher's summary names the first rank to die, and a truncated data file ----------
+
+
+def test_kill_9_of_one_rank_is_named_by_the_launcher(tmp_path):
+    """The summary used to name rank 0's "Connection closed by peer" instead of rank 1's SIGKILL."""
+    job = Job(tmp_path, "training.train_steps=400")
+    pids = job.wait_steps(3)
+    os.kill(pids[1], signal.SIGKILL)
+    assert job.wait() == 128 + signal.SIGKILL
+    out = job.output()
+    summary = [x for x in out.splitlines() if x.startswith("launch: ")]
+    assert summary and summary[0].startswith(f"launch: the job failed: rank 1 (pid {pids[1]}) was killed by SIGKILL, "
+                                             "the first rank to fail"), out
+    assert "Traceback" not in out, out
+
+
+def test_a_data_file_truncated_while_the_job_runs_is_named_exit_2(tmp_path):
+    """A .bin truncated under the running job used to end with only `rank 0 was killed by SIGBUS`."""
+    import numpy as np
+
+    from te_npu.training.data import write_token_file
+
+    ids = np.random.default_rng(0).integers(1, 256, size=400_000)
+    write_token_file(tmp_path / "tok", [("d", b"", ids)], vocab_size=256, tokenizer={}, eos_token_id=None,
+                     split="train")
+    job = Job(tmp_path, "training.train_steps=400", "data.kind=bin", f"data.path={tmp_path / 'tok'}")
+    job.wait_steps(2)
+    os.truncate(tmp_path / "tok.bin", 4096)
+    code = job.wait()
+    out = job.output()
+    line = next((x for x in out.splitlines() if x.startswith("launch: ")), "")
+    assert code == 2, out
+    assert "was killed by SIGBUS reading a file that changed under it: " in line, out
+    assert f"{tmp_path / 'tok.bin'} is now 4096 bytes, 800000 when the job mapped it" in line, line
+
+
+# ---- 12. issue 32: a clean shutdown never aborts ------------------------------------------------------
+
+SHUTDOWNS = 100
+
+
+def _shutdowns(tmp_path, runs: int, **env) -> list[tuple[int, str]]:
+    """Run ``tests/system/shutdown_job.py`` ``runs`` times (3 at once) through the launcher; (exit code, output) each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> tuple[int, str]:
+        cmd = [sys.executable, "-m", "te_npu.training.launch", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), "-m", "tests.system.shutdown_job", str(tmp_path / f"run{i}")]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=HANG,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", **env,
+                                       PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+        return done.returncode, done.stdout + done.stderr
+
+    with ThreadPoolExecutor(3) as pool:
+        return list(pool.map(one, range(runs)))
+
+
+def test_clean_two_rank_shutdowns_never_abort(tmp_path):
+    """A successful run ended once in ~80 with `terminate called without an active exception` (SIGABRT,
+    exit 134) after its last save: a daemon thread inside a torch C++ call (a store get / set) while the
+    interpreter finalizes is ended by pthread_exit, whose unwinding through pybind11's noexcept GIL guard
+    calls std::terminate. A rank of a multi-rank job now never finalizes (it leaves with os._exit once
+    its body is done) and the stall watch is joined for good in stop()."""
+    stray = {"SHUTDOWN_STRAY_THREAD": "1"}
+    finalizing = _shutdowns(tmp_path / "plain_exit", 3, SHUTDOWN_PLAIN_EXIT="1", **stray)
+    aborted = [out for code, out in finalizing if "terminate called without an active exception" in out]
+    assert aborted, finalizing  # the mechanism: a stray store thread at finalization aborts
+    results = _shutdowns(tmp_path / "stray", 5, **stray) + _shutdowns(tmp_path / "clean", SHUTDOWNS)
+    bad = [(code, out) for code, out in results if code != 0 or "terminate called" in out]
+    print(f"clean 2-rank shutdowns: {len(bad)} of {len(results)} failed or aborted "
+          f"({len(aborted)} of {len(finalizing)} aborted with interpreter finalization and a stray store thread)")
+    assert not bad, bad[:3]

@@ -142,3 +142,23 @@ def test_job_rank_of_a_multi_rank_job_never_finalizes_on_the_error_path(tmp_path
                           cwd=str(tmp_path))
     assert done.returncode == EXIT_ERROR, done.stderr
     assert "finalized" not in done.stdout and "ValueError: after the group was torn down" in done.stderr
+
+
+@pytest.mark.parametrize("message, timed_out", [
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 30000ms for send operation "
+     "to complete", True),
+    ("Application timeout caused pair closure", True),
+    ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for 600000 ms", True),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:27045", False),
+    ("mat1 and mat2 shapes cannot be multiplied", False),
+], ids=["gloo-recv", "gloo-pair", "nccl-watchdog", "peer-closed", "other"])
+def test_job_collective_timeouts_are_recognised_through_the_chain(message, timed_out):
+    from te_npu.training.job import is_collective_timeout
+
+    try:
+        try:
+            raise RuntimeError(message)
+        except RuntimeError as inner:
+            raise ValueError("wrapped") from inner
+    except ValueError as outer:
+        assert is_collective_timeout(outer) is timed_out

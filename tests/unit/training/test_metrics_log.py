@@ -100,3 +100,25 @@ def test_metrics_resume_at_the_last_step_moves_nothing(tmp_path):
         assert log.resume_at(3) == 0
     assert not (tmp_path / "metrics.redone.jsonl").exists()
     assert MetricsLogger(tmp_path, train_steps=3, rank=1).resume_at(1) == 0  # other ranks write nothing
+
+
+def test_metrics_fresh_run_in_a_used_dir_starts_clean_and_names_the_old_file(tmp_path):
+    """Issue 32: a fresh restart into the same logging.dir wrote the same steps into metrics.jsonl twice."""
+    run, notes = tmp_path / "run", []
+    for attempt in (1, 2, 3):
+        with MetricsLogger(run, train_steps=2, fresh=True, print_fn=notes.append) as log:
+            log.log_config({"attempt": attempt})
+            for step in (1, 2):
+                log.log_step(step, **STEP)
+            if attempt == 1:
+                log.resume_at(1)  # the first run has redone records too: they move with it
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["config"]["attempt"] for r in records if r["kind"] == "config"] == [3]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.1.jsonl", "metrics.1.redone.jsonl", "metrics.2.jsonl",
+                                                     "metrics.jsonl"]
+    moved = [n for n in notes if n.startswith(" note:")]
+    assert moved == [f" note: {run / 'metrics.jsonl'} held an earlier run's records (this run starts fresh): moved to "
+                     f"metrics.1.jsonl and metrics.1.redone.jsonl in {run}",
+                     f" note: {run / 'metrics.jsonl'} held an earlier run's records (this run starts fresh): moved to "
+                     f"metrics.2.jsonl in {run}"], moved
