@@ -480,10 +480,11 @@ def _judge_all(args, todo: list[str]) -> int:
     for case in todo:
         verdict = judge(args, case)
         _write(out / "cases" / f"{case}.json", verdict)
-        print(f"q3_acceptance: {case} {verdict['verdict']}" + (f": {verdict['reasons'][0]}" if verdict["reasons"] else ""))
+        first = f": {verdict['reasons'][0]}" if verdict["reasons"] else ""
+        print(f"q3_acceptance: {case} {verdict['verdict']}{first}", flush=True)
     verdicts = [json.loads((out / "cases" / f"{c}.json").read_text()) for c in args.cases]
     code = write_report(args, verdicts)
-    print(f"q3_acceptance: report {out / 'report.md'} and {out / 'report.json'}")
+    print(f"q3_acceptance: report {out / 'report.md'} and {out / 'report.json'}", flush=True)
     return code
 
 
@@ -504,11 +505,11 @@ def in_torchrun(args) -> int:
 def orchestrate(args) -> int:
     todo, skipped, needed = _todo(args)
     if skipped:
-        print(f"q3_acceptance: {', '.join(skipped)} finished in {args.out} before; skipped")
+        print(f"q3_acceptance: {', '.join(skipped)} finished in {args.out} before; skipped", flush=True)
     for job, phases in needed.items():
         start = time.time()
         code = _launch(args, job, phases)
-        print(f"q3_acceptance: job {job} ({', '.join(phases)}) exit {code} in {time.time() - start:.0f} s")
+        print(f"q3_acceptance: job {job} ({', '.join(phases)}) exit {code} in {time.time() - start:.0f} s", flush=True)
     return _judge_all(args, todo)
 
 
