@@ -12,7 +12,7 @@ Legend: M tokens, N / K weight dims, T routed rows, E / G experts (groups).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -265,40 +265,42 @@ def _grouped_operands(gen, fmt, layout, T, E, N, K, group_list):
 _DIRECTION = {"NT": "fprop", "NN": "dgrad", "TN": "wgrad"}
 
 
-def _gemm_cases(shapes: ShapeSet, gen, output_dtypes) -> list[Case]:
-    cases = []
+def _gemm_cases(shapes: ShapeSet, gen, output_dtypes) -> Iterator[Case]:
+    """GEMM cases, made one at a time (the 16B's operands are large: only one case's live at once)."""
     for fmt in (Format.MXFP8_E4M3, Format.HIF8):
         fname = "MXFP8" if fmt == Format.MXFP8_E4M3 else "HiF8"
         for name, N, K in shapes.dense:
             for layout, direction in _DIRECTION.items():
                 left, right = _operands(gen, fmt, layout, shapes.tokens, N, K)
                 for out in output_dtypes:
-                    cases.append(Case("npu_quant_matmul", "gemm", f"{fname} {direction} M={shapes.tokens} N={N} K={K} "
+                    yield Case("npu_quant_matmul", "gemm", f"{fname} {direction} M={shapes.tokens} N={N} K={K} "
                                       f"-> {_DTYPE_NAME[out]} {name}", (left, right, layout, out), _gemm,
-                                      output_dtype=out))
+                                      output_dtype=out)
         for name, E, N, K in shapes.grouped:
             for kind, sizes in _group_lists(shapes.routed, E, gen).items():
                 groups = E if kind != "single group" else 1
                 for layout, direction in _DIRECTION.items():
                     left, right = _grouped_operands(gen, fmt, layout, shapes.routed, groups, N, K, sizes)
                     for out in output_dtypes:
-                        cases.append(Case("npu_grouped_matmul", "gemm", f"{fname} grouped {direction} T={shapes.routed} "
+                        yield Case("npu_grouped_matmul", "gemm", f"{fname} grouped {direction} T={shapes.routed} "
                                           f"E={groups} N={N} K={K} {kind} -> {_DTYPE_NAME[out]} {name}",
-                                          (left, right, sizes, layout, out), _grouped_gemm, output_dtype=out))
+                                          (left, right, sizes, layout, out), _grouped_gemm, output_dtype=out)
     # MX operands beyond the FP32 range: every element 448 x 2**127
     data = torch.full((64, 128), E4M3_MAX).to(torch.float8_e4m3fn)
     scale = torch.full((64, 128 // MX_BLOCK_SIZE), 254, dtype=torch.uint8)
     big = QuantizedOperand(data, scale, _BF16, Format.MXFP8_E4M3, "row")
-    cases.append(Case("npu_quant_matmul", "gemm", "MXFP8 fprop, operands 448 x 2**127 -> bf16",
-                      (big, big, "NT", _BF16), _gemm, "mx-gemm-range", None, _BF16))
-    return cases
+    yield Case("npu_quant_matmul", "gemm", "MXFP8 fprop, operands 448 x 2**127 -> bf16",
+                      (big, big, "NT", _BF16), _gemm, "mx-gemm-range", None, _BF16)
 
 
-def build_cases(shapes: ShapeSet, seed: int = 2026) -> list[Case]:
-    """Every case for one shape set: quantization (both scale rules), the Limits inputs, GEMMs."""
+def build_cases(shapes: ShapeSet, seed: int = 2026) -> Iterator[Case]:
+    """Every case for one shape set: quantization (both scale rules), the Limits inputs, GEMMs
+    (those made as they are consumed)."""
     gen = torch.Generator().manual_seed(seed)
     out = (_BF16,) if shapes.name == "16b" else (_BF16, _FP32)
-    return _quantization_cases(shapes, gen) + _limit_cases(gen) + _gemm_cases(shapes, gen, out)
+    yield from _quantization_cases(shapes, gen)
+    yield from _limit_cases(gen)
+    yield from _gemm_cases(shapes, gen, out)
 
 
 def move(obj, device):
