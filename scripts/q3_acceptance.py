@@ -24,6 +24,7 @@ file to run it again). Exit code: 0 when no case fails, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -217,8 +218,37 @@ def _phase(args, job: str, phase: str, rank: int, world: int, fn) -> None:
     _write(out, data)
 
 
+@contextlib.contextmanager
+def job_process_group(args):
+    """The ranks' process group, for every phase this process runs (each phase's Trainer joins it:
+    a group torchrun's store has seen destroyed cannot be made again in the same processes)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    owned = False
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        if args.npu:
+            torch.npu.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("hccl" if args.npu else "gloo", timeout=datetime.timedelta(minutes=30))
+        owned = True
+    try:
+        yield
+    finally:
+        if owned:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
 def run_job(args, job: str, phases: list[str]) -> None:
-    """One torchrun rank of a job: ``train-<fmt>`` (phases of PHASES), ``resume-<fmt>``, ``perf``."""
+    """One rank's part of a job: ``train-<fmt>`` (phases of PHASES), ``resume-<fmt>``, ``perf``
+    (phases: the formats), inside :func:`job_process_group`."""
+    with job_process_group(args):
+        _run_job(args, job, phases)
+
+
+def _run_job(args, job: str, phases: list[str]) -> None:
     from models.deepseek_v3.pretrain import DeepseekV3Task
     from te_npu.testing import q3_rules as R
     from te_npu.testing.q3_runs import make_trainer, resume_phase, run_phase
@@ -499,8 +529,9 @@ def in_torchrun(args) -> int:
     """Started as a rank by ``torchrun`` itself: every rank runs the jobs' phases in this process
     (Q3-09's resume in the same processes, with a fresh Trainer), then rank 0 judges and reports."""
     todo, skipped, needed = _todo(args)
-    for job, phases in needed.items():
-        run_job(args, job, phases)
+    with job_process_group(args):
+        for job, phases in needed.items():
+            run_job(args, job, phases)
     if int(os.environ.get("RANK", 0)) != 0:
         return 0
     deadline = time.time() + 600  # the other ranks' last files
