@@ -1,8 +1,8 @@
 """``scripts/q3_acceptance.py``: the Q3 matrix in one command, judged by te_npu.testing.q3_rules.
 
 Default suite: a reduced ``--cases`` (a recipe that breaks Q3-02 makes it ``fail`` with the reason;
-Q3-10's refusals pass; a re-run skips finished cases). Slow suite: the whole matrix on the tiny
-recipes, 2 gloo ranks per job: every case ``pass``, Q3-11 ``not judged`` (emulation).
+a re-run skips finished cases; about a minute). Slow suite: Q3-10 alone, and the whole matrix on
+the tiny recipes, 2 gloo ranks per job: every case ``pass``, Q3-11 ``not judged`` (emulation).
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def test_a_bf16_recipe_as_mxfp8_fails_q3_02_with_the_reason_and_a_rerun_skips_it
     assert code == 1 and "Q3-02 finished" in log and "job train-mxfp8" not in log
 
 
+@pytest.mark.slow
 def test_q3_10_refusals_pass(tmp_path):
     code, log, report = _run(tmp_path / "q3", "--cases", "Q3-10")
     case = _verdicts(report)["Q3-10"]
