@@ -35,6 +35,7 @@ emulation account says this CPU run holds.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -51,12 +52,32 @@ from te_npu.tensor import QuantizedWeightTensor
 from te_npu.training.config import TrainConfig
 from te_npu.training.memory_tracker import CATEGORIES, MemoryTracker, StageMemory
 
-__all__ = ["ASCEND_950DT_HBM_GB", "FIT_MARGIN", "CapacityReport", "estimation_overrides", "estimate"]
+__all__ = ["ASCEND_950DT_HBM_GB", "A5_Q3_HBM_BYTES", "default_hbm_bytes", "FIT_MARGIN", "CapacityReport", "estimation_overrides", "estimate"]
 
 ASCEND_950DT_HBM_GB = 144
 """HBM of one Ascend 950DT (HiZQ 2.0, 144 GB, 4 TB/s): Eric Xu's keynote at Huawei Connect 2025,
 Shanghai, 2025-09-18 ("Groundbreaking SuperPoD Interconnect"), the 950 series roadmap slide
 (950PR: 128 GB HiBL 1.0 at 1.6 TB/s). Read as 144 * 10**9 bytes, the smaller reading."""
+
+A5_Q3_HBM_BYTES = 96 * 2**30
+"""HBM per card of the spec's Q3 machine (section 17.1: one node of 8 Ascend A5, 96 GiB each):
+the default verdict of ``scripts/estimate_memory.py`` away from an NPU."""
+
+
+def default_hbm_bytes() -> tuple[int, str]:
+    """(HBM bytes per device, where the figure came from): the visible NPU's total memory
+    (``torch.npu.get_device_properties(i).total_memory``) when torch_npu and a device are present,
+    else the spec's A5 (:data:`A5_Q3_HBM_BYTES`). Imports torch_npu only when called."""
+    try:
+        importlib.import_module("torch_npu")
+        npu = torch.npu
+        if npu.device_count() > 0:
+            props = npu.get_device_properties(npu.current_device())
+            return int(props.total_memory), f"this NPU ({props.name}: total_memory)"
+    except Exception:  # noqa: BLE001 - no torch_npu / no device: the spec's figure
+        pass
+    return A5_Q3_HBM_BYTES, "the spec's Ascend A5, 96 GiB per card (section 17.1)"
+
 
 FIT_MARGIN = 0.90
 """A recipe fits when its peak is at most this share of the HBM: the rest is for what the
@@ -149,7 +170,8 @@ class CapacityReport:
         hbm = self.hbm_bytes / 1e9
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"setup peak {self.setup_peak_bytes / gib:.2f} {unit}, step peak {self.step_peak_bytes / gib:.2f} "
-                     f"{unit}, resting {self.resting_bytes / gib:.2f} {unit}; HBM {hbm:.0f} GB: {verdict} "
+                     f"{unit}, resting {self.resting_bytes / gib:.2f} {unit}; HBM {self.hbm_bytes / 2**30:.1f} GiB "
+                     f"({hbm:.0f} GB): {verdict} "
                      f"(peak {self.peak_bytes / self.hbm_bytes:.1%} of HBM, limit {FIT_MARGIN:.0%})")
         if self.replicated_params:
             lines.append(f"replicated: {len(self.replicated_params)} parameter(s), "

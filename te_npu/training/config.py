@@ -36,6 +36,7 @@ from typing import Any, Literal, get_type_hints
 
 from te_npu.distributed.sharding import validate_parallel_config
 from te_npu.errors import ConfigError
+from te_npu.ops.capability import CAPABILITY_CHECKS
 from te_npu.ops.kernels import quant_kernel_device_problem
 from te_npu.recipe import Recipe, recipe_from_config
 from te_npu.training.data import check_data_config
@@ -89,10 +90,19 @@ class LowPrecisionConfig:
 
     section: Mapping[str, Any]
     recipe: Recipe | None
+    capability_check: str = "strict"
+    """``strict`` (default): an NPU that fails the capability gate is refused; ``warn``: the run
+    goes on with a loud warning naming each failed check (``te_npu.ops.capability``)."""
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any], path: str) -> LowPrecisionConfig:
-        return cls(section=freeze(dict(raw)), recipe=recipe_from_config(raw, path=path, check_disabled=True))
+        recipe_keys = {k: v for k, v in raw.items() if k != "capability_check"} if isinstance(raw, Mapping) else raw
+        check = raw.get("capability_check", "strict") if isinstance(raw, Mapping) else "strict"
+        if check not in CAPABILITY_CHECKS:
+            raise ConfigError(f"{path}.capability_check: {check!r} is not supported; allowed values are "
+                              f"{list(CAPABILITY_CHECKS)}")
+        return cls(section=freeze(dict(raw)), recipe=recipe_from_config(recipe_keys, path=path, check_disabled=True),
+                   capability_check=check)
 
     def to_config(self) -> dict[str, Any]:
         return thaw(self.section)

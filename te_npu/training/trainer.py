@@ -53,6 +53,7 @@ from te_npu.compat import default_store, local_tensor, set_process_group_timeout
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
 from te_npu.ops import require_low_precision, use_quant_kernel
+from te_npu.ops.capability import capability_waived
 from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
 from te_npu.training import hf_weights, mapped_files, preflight
 from te_npu.training.config import TrainConfig
@@ -190,7 +191,8 @@ class Trainer:
         self._setup_data()  # data headers, token ids vs the model's vocab, the sampler
         self._check_resume()  # the resume step's manifest, data position and world size: before the build
         if self.recipe is not None:
-            require_low_precision(self.recipe.format, self.device)  # only touches torch_npu on npu
+            # only touches torch_npu on npu; capability_check: warn warns once here, then waives the gate
+            require_low_precision(self.recipe.format, self.device, capability_check=cfg.low_precision.capability_check)
         self.dtype = _DTYPES[t.param_dtype]
         torch.manual_seed(t.seed)
         with self._allocation_context():
@@ -793,7 +795,11 @@ class Trainer:
     def _kernels(self) -> contextlib.AbstractContextManager:
         """The run's kernel variant, active for one of the Trainer's computations (every
         quantization and decode of setup, steps, evaluation and loads runs inside one)."""
-        return use_quant_kernel(self.quant_kernel.name)
+        stack = contextlib.ExitStack()
+        stack.enter_context(use_quant_kernel(self.quant_kernel.name))
+        if self.recipe is not None and self.cfg.low_precision.capability_check == "warn":
+            stack.enter_context(capability_waived(self.recipe.format))  # warned at setup
+        return stack
 
     def _plot(self) -> None:
         from te_npu.training.plots import plot_runs, read_run

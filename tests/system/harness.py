@@ -25,18 +25,19 @@ The model is the ``dsv3_tiny`` preset, shrunk by ``TINY_MODEL_OVERRIDES`` for sp
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections import defaultdict
 from pathlib import Path
 
-import torch
-
-from te_npu import events
-from te_npu.compat import local_tensor
-from te_npu.events import GemmEvent, QuantEvent
-from te_npu.testing import STProbe
+from te_npu.testing.phase_probe import PhaseProbe
+from te_npu.testing.q3_rules import (
+    expected_activation_quants,
+    expected_gemm_counts,
+    expected_weight_fqns,
+    gather_counts,
+    unwrapped,
+)
+from te_npu.testing.q3_runs import make_trainer, resume_phase, run_phase
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -45,8 +46,6 @@ FORMAT_VALUE = {"bf16": None, "mxfp8": "mxfp8_e4m3", "hif8": "hif8"}
 TINY_MODEL_OVERRIDES = "model.overrides={num_hidden_layers: 2, n_shared_experts: 2}"
 MAIN_STEPS, SAVE_AT = 20, 17  # Q3-01..03: 20 steps; Q3-09: save at N=17, continue N+3
 GEMMS = ("fprop", "dgrad", "wgrad")
-GROUPED_GEMMS_PER_CALL = {"TELinear": 0, "TEGroupedLinear": 1, "TEGroupedSwiGLUExperts": 2}
-DENSE_GEMMS_PER_CALL = {"TELinear": 1, "TEGroupedLinear": 0, "TEGroupedSwiGLUExperts": 0}
 
 
 def st_overrides(fmt: str, workdir: str | os.PathLike, data_dir: str | os.PathLike, *extra: str) -> list[str]:
@@ -79,187 +78,23 @@ def st_config(fmt: str, workdir, data_dir, *extra: str):
                        model_section=DeepseekV3Task.model_section)
 
 
-# ---- probe --------------------------------------------------------------------------------------
+# ---- probe, runs and rule helpers live in te_npu.testing (scripts/q3_acceptance.py runs the same) ----
+__all__ = ["PhaseProbe", "expected_activation_quants", "expected_gemm_counts", "expected_weight_fqns",
+           "gather_counts", "unwrapped"]
 
 
-@dataclass
-class PhaseProbe(STProbe):
-    """``STProbe`` that also records the phase (``setup`` / ``forward_backward`` / ``optimizer_step`` /
-    ``other``) of every GEMM and quantization event, and the number of micro-steps per optimizer step."""
+def _task():
+    from models.deepseek_v3.pretrain import DeepseekV3Task
 
-    phase: str = "other"
-    gemm_phases: list[str] = field(default_factory=list)
-    quant_phases: list[str] = field(default_factory=list)
-    micro_steps: Counter = field(default_factory=Counter)
-
-    def __call__(self, event: object) -> None:
-        super().__call__(event)
-        if isinstance(event, GemmEvent):
-            self.gemm_phases.append(self.phase)
-        elif isinstance(event, QuantEvent):
-            self.quant_phases.append(self.phase)
-
-    def attach(self, trainer) -> None:
-        """Tag ``trainer``'s setup and two step pieces (instance attributes; read-only spies); once set
-        up, record its model's module types (the trainer has this probe among its subscribers)."""
-        assert self in trainer.subscribers
-        setup, forward_backward, optimizer_step = trainer.setup, trainer.forward_backward, trainer.optimizer_step
-
-        def tagged(phase, fn, count=False):
-            def call(*args, **kwargs):
-                if count:
-                    self.micro_steps[self.current_step] += 1
-                self.phase = phase
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self.phase = "other"
-
-            return call
-
-        def setup_and_record(cfg):
-            result = tagged("setup", setup)(cfg)
-            self.on_setup(trainer.model, trainer.task.low_precision_scope(trainer.model))
-            return result
-
-        trainer.setup = setup_and_record
-        trainer.forward_backward = tagged("forward_backward", forward_backward, count=True)
-        trainer.optimizer_step = tagged("optimizer_step", optimizer_step)
-
-    def quant_events_in(self, phase: str, step: int | None = None) -> list[QuantEvent]:
-        return [e for (s, e), p in zip(self.quant_events, self.quant_phases) if p == phase and (step is None or s == step)]
-
-    def gemm_events_in(self, phase: str) -> list[GemmEvent]:
-        return [e for (_, e), p in zip(self.gemm_events, self.gemm_phases) if p == phase]
-
-
-# ---- what the model's TE module list implies -----------------------------------------------------
-
-
-def unwrapped(type_name: str) -> str:
-    """FSDP2 renames a sharded module's class ``FSDP<cls>``; the probe records that name."""
-    return type_name.removeprefix("FSDP")
-
-
-def expected_gemm_counts(low_precision_modules: dict[str, str], micro_steps: int, recompute: bool = False) -> Counter:
-    """``Counter[(kind, gemm)]`` of one optimizer step: 3 GEMMs per TE GEMM call per micro-batch
-    (a TELinear is one dense GEMM, TEGroupedSwiGLUExperts two grouped ones); full recompute
-    replays every forward once more in backward (fprop twice)."""
-    types = [unwrapped(t) for t in low_precision_modules.values()]
-    dense = sum(DENSE_GEMMS_PER_CALL[t] for t in types)
-    grouped = sum(GROUPED_GEMMS_PER_CALL[t] for t in types)
-    counts = Counter()
-    for gemm in GEMMS:
-        replay = 2 if recompute and gemm == "fprop" else 1
-        if dense:
-            counts[("dense", gemm)] = dense * micro_steps * replay
-        if grouped:
-            counts[("grouped", gemm)] = grouped * micro_steps * replay
-    return counts
-
-
-def expected_activation_quants(low_precision_modules: dict[str, str], fmt: str, micro_steps: int,
-                               recompute: bool = False) -> int:
-    """Quantization calls of one optimizer step inside forward/backward when only activations are
-    quantized: every GEMM call quantizes its input X in forward and its dY in backward, each once
-    (MXFP8 dense: one dual-axis call; MXFP8 grouped: a row call plus a ragged col call; HiF8: one
-    call serves both orientations); full recompute quantizes X once more. A weight quantized
-    during forward/backward would add to this count."""
-    types = [unwrapped(t) for t in low_precision_modules.values()]
-    dense = sum(DENSE_GEMMS_PER_CALL[t] for t in types)
-    grouped = sum(GROUPED_GEMMS_PER_CALL[t] for t in types)
-    per_source = {"dense": 1, "grouped": 2 if fmt == "mxfp8" else 1}
-    sources = 2 + (1 if recompute else 0)  # X (forward, replayed by recompute) and dY (backward)
-    return micro_steps * sources * (dense * per_source["dense"] + grouped * per_source["grouped"])
-
-
-def expected_weight_fqns(low_precision_modules: dict[str, str]) -> set[str]:
-    """Parameter FQNs of the 8-bit weights of the TE modules."""
-    names = {"TELinear": ("weight",), "TEGroupedLinear": ("weight",), "TEGroupedSwiGLUExperts": ("gate_up_proj", "down_proj")}
-    return {f"{m}.{n}" for m, t in low_precision_modules.items() for n in names[unwrapped(t)]}
-
-
-# ---- workers --------------------------------------------------------------------------------------
-
-
-def _local(t):
-    return local_tensor(t)
-
-
-def _record(r) -> dict:
-    return dataclasses.asdict(r)
+    return DeepseekV3Task()
 
 
 def _trainer(cfg, lines: list[str]):
-    from models.deepseek_v3.pretrain import DeepseekV3Task
-    from te_npu.training.trainer import Trainer
-
-    probe = PhaseProbe()
-    trainer = Trainer(DeepseekV3Task(), print_fn=lines.append, subscribers=[probe])
-    probe.attach(trainer)
-    return trainer, probe
-
-
-def _weight_state(trainer) -> dict:
-    """Per quantized weight: class, local shapes; HiF8 local scales and whether they match the master."""
-    import torch.distributed as dist
-
-    from te_npu.numerics import hif8
-    from te_npu.quantizers.hif8 import hif8_amax
-    from te_npu.tensor import QuantizedWeightTensor
-
-    out = {}
-    for fqn, p in trainer.model.named_parameters():
-        local = _local(p)
-        if not isinstance(local, QuantizedWeightTensor):
-            continue
-        info = {"cls": type(local).__name__, "shape": tuple(p.shape), "local_shape": tuple(local.shape),
-                "sharded": hasattr(p, "_local_tensor")}
-        if local.format.value == "hif8":
-            # current scaling from the FP32 master: amax * (1 / 15) (weights use the input maximum).
-            # Grouped: per local expert from its own master; dense: amax MAX-reduced over the
-            # FSDP group (the full weight's amax), so every rank holds the same scalar.
-            amax = hif8_amax(_local(trainer.optimizer.masters[fqn])).float()
-            if local.dim() == 2 and info["sharded"] and dist.is_initialized():
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-            info["scale"] = local.scale.clone()
-            info["scale_matches_master"] = bool(torch.equal(local.scale, hif8.current_scale(amax, 15.0)))
-        out[fqn] = info
-    return out
-
-
-def _optimizer_dtypes(trainer) -> dict:
-    return {fqn: tuple(str(v.dtype) for v in trainer.optimizer.state_for(fqn).values())
-            for fqn in trainer.optimizer.masters}
+    return make_trainer(_task(), lines)
 
 
 def _run(cfg, steps: int, *, save_at: int | None = None, save_dir: str | None = None) -> dict:
-    lines: list[str] = []
-    trainer, probe = _trainer(cfg, lines)
-    try:
-        trainer.setup(cfg)
-        setup_refreshes = dict(probe.refresh_counts(-1))
-        records = []
-        for _ in range(steps):
-            records.append(_record(trainer.train_step()))
-            if save_at is not None and trainer.global_step == save_at:
-                trainer.save_dcp(save_dir)
-        result = {
-            "records": records,
-            "probe": probe,
-            "setup_refreshes": setup_refreshes,
-            "weights": _weight_state(trainer),
-            "optimizer_dtypes": _optimizer_dtypes(trainer),
-            "masters": {fqn: _local(m).detach().clone() for fqn, m in trainer.optimizer.masters.items()},
-            "replicated": dict(trainer.shard_plan.replicated) if trainer.shard_plan else {},
-            "param_names": [name for name, _ in trainer.model.named_parameters()],
-            "buffer_names": [n for n in trainer.model.state_dict() if n not in dict(trainer.model.named_parameters())],
-            "lines": lines,
-        }
-    finally:
-        trainer.close()
-    result["subscribed_after_close"] = events.has_subscribers()  # the trainer's subscriptions ended
-    return result
+    return run_phase(_task(), cfg, steps, save_at=save_at, save_dir=save_dir)
 
 
 PHASES = {
@@ -335,27 +170,7 @@ def run_resume_worker(rank, world, workdir, data_dir, fmt, steps, backend="emula
 
 def _resume(workdir, data_dir, fmt, steps) -> dict:
     cfg = st_config(fmt, Path(workdir) / "resume", data_dir)
-    lines: list[str] = []
-    trainer, probe = _trainer(cfg, lines)
-    try:
-        trainer.setup(cfg)
-        before = {fqn: _local(m).clone() for fqn, m in trainer.optimizer.masters.items()}
-        probe.begin_optimizer_step(-2)  # refreshes made by load_dcp land here
-        step = trainer.load_dcp(str(Path(workdir) / "dcp"))
-        load_refreshes = dict(probe.refresh_counts(-2))
-        changed = sorted(fqn for fqn, m in trainer.optimizer.masters.items() if not torch.equal(_local(m), before[fqn]))
-        records = [_record(trainer.train_step()) for _ in range(steps)]
-        return {
-            "step": step,
-            "records": records,
-            "load_refreshes": load_refreshes,
-            "masters_changed_by_load": changed,
-            "optimizer_dtypes": _optimizer_dtypes(trainer),
-            "weights": _weight_state(trainer),
-            "probe": probe,
-        }
-    finally:
-        trainer.close()
+    return resume_phase(_task(), cfg, str(Path(workdir) / "dcp"), steps)
 
 
 def spawn(fn, workdir, *args) -> list:
@@ -368,11 +183,6 @@ def spawn(fn, workdir, *args) -> list:
 
 def per_step(records: list[dict], key: str) -> list:
     return [r[key] for r in records]
-
-
-def gather_counts(probe, step: int) -> Counter:
-    """``Counter[(param_fqn, phase)]`` of the quantized-weight all-gathers of one step."""
-    return Counter((g.context.param_fqn, g.context.phase) for g in probe.gathers(step))
 
 
 def group_by(items, key) -> dict:

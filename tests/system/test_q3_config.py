@@ -13,24 +13,10 @@ from models.deepseek_v3.pretrain import DeepseekV3Task, main
 from te_npu.errors import ConfigError
 from te_npu.training.config import load_config
 from te_npu.training.trainer import Trainer
+from te_npu.testing import q3_rules as R
 from tests.system import harness as H
 
-# (override, text the error must contain)
-ILLEGAL = [
-    ("low_precision={enabled: true, format: hif8, scaling: delayed}", "low_precision.scaling"),
-    ("low_precision={enabled: false, format: hif8, scaling: delayed}", "low_precision.scaling"),
-    ("low_precision={enabled: true, format: mxfp8_e4m3, scaling: current}", "low_precision.scaling"),
-    ("fsdp_config.comm_fusion=true", "fsdp_config.comm_fusion"),
-    ("parallel.tensor_parallel_size=2", "parallel.tensor_parallel_size"),
-    ("parallel.context_parallel_size=2", "parallel.context_parallel_size"),
-    ("parallel.expert_parallel_size=2", "parallel.expert_parallel_size"),
-    ("parallel.pipeline_parallel_size=2", "parallel.pipeline_parallel_size"),
-    ("checkpoint.format=torch_save", "checkpoint.format"),
-    ("checkpoint.format=safetensors", "checkpoint.format"),
-    ("activation_checkpoint.mode=selective", "activation_checkpoint.mode"),
-    ("model.preset=dsv3_671b", "model.preset"),  # the model task's section (spec 15: frozen 16B structure)
-    ("model.overrides.num_nextn_predict_layers=-1", "num_nextn_predict_layers"),
-]
+ILLEGAL = list(R.ILLEGAL_CONFIGS)  # (override, the key the error names): te_npu.testing.q3_rules
 
 
 class CountingTask(DeepseekV3Task):
@@ -55,9 +41,12 @@ def _overrides(tmp_path, data_dir, *extra):
 
 @pytest.mark.parametrize("override, key", ILLEGAL, ids=[o.split("=")[0] + "=" + o.split("=", 1)[1][:24] for o, _ in ILLEGAL])
 def test_q3_10_illegal_config_fails_in_load_config(tmp_path, capsys, override, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data", override),
+    def load(extra):
+        load_config(H.RECIPES["mxfp8"], _overrides(tmp_path, tmp_path / "data", extra),
                     model_section=DeepseekV3Task.model_section)
+
+    assert not R.check_illegal_config(load, override, key)
+    assert R.check_illegal_config(load, "training.seed=3", key)  # the rule fails on a legal config
     # the production entry fails the same way, before a Trainer exists: one line, exit code 2
     argv = ["--config", str(H.RECIPES["mxfp8"]), *_overrides(tmp_path, tmp_path / "data", override)]
     assert main(argv) == 2

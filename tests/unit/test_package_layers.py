@@ -27,7 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("quantize_weights",),
     ("distributed",),                  # FSDP2 extension, master-weight optimizer, DCP / HF checkpoints
     ("__init__",),                     # te_npu's public API
-    ("training", "testing"),           # the generic trainer; test instruments (no production import)
+    ("training",),                     # the generic trainer
+    ("testing", "selfcheck"),          # test instruments and the Q3 rules (no production import); the self-check
 )
 """Bottom to top. A unit is a top-level module or subpackage of ``te_npu``."""
 

@@ -1,0 +1,70 @@
+"""``scripts/q3_acceptance.py``: the Q3 matrix in one command, judged by te_npu.testing.q3_rules.
+
+Default suite: a reduced ``--cases`` (a recipe that breaks Q3-02 makes it ``fail`` with the reason;
+a re-run skips finished cases; about a minute). Slow suite: Q3-10 alone, and the whole matrix on
+the tiny recipes, 2 gloo ranks per job: every case ``pass``, Q3-11 ``not judged`` (emulation).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "q3_acceptance.py"
+
+
+def _run(out: Path, *args: str) -> tuple[int, str, dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    return proc.returncode, proc.stdout + proc.stderr, report
+
+
+def _verdicts(report: dict) -> dict[str, dict]:
+    return {c["id"]: c for c in report["cases"]}
+
+
+def test_a_bf16_recipe_as_mxfp8_fails_q3_02_with_the_reason_and_a_rerun_skips_it(tmp_path):
+    out = tmp_path / "q3"
+    code, log, report = _run(out, "--cases", "Q3-02", "--steps", "10",
+                             "--recipes", f"mxfp8={REPO / 'recipes' / 'dsv3_tiny_bf16.yaml'}")
+    assert code == 1, log
+    case = _verdicts(report)["Q3-02"]
+    assert case["verdict"] == "fail"
+    assert any("GEMM roles never run in mxfp8" in r for r in case["reasons"]), case["reasons"]
+    assert case["evidence"] == ["jobs/train-mxfp8/main/"]
+    rank0 = json.loads((out / "jobs" / "train-mxfp8" / "main" / "rank0.json").read_text())
+    assert len(rank0["records"]) == 10 and rank0["gemm_trace"] == [] and rank0["rules"]["steps"] == []
+    page = (out / "report.md").read_text()
+    assert "| Q3-02 |" in page and "**fail**" in page and (out / "curves_loss.png").exists()
+    env = json.loads((out / "environment.json").read_text())
+    assert env["world_size"] == 2 and env["configs_as_run"]["mxfp8"]["low_precision"]["enabled"] is False
+    # the same --out again: the finished case is skipped, no job runs
+    code, log, _ = _run(out, "--cases", "Q3-02", "--steps", "10",
+                        "--recipes", f"mxfp8={REPO / 'recipes' / 'dsv3_tiny_bf16.yaml'}")
+    assert code == 1 and "Q3-02 finished" in log and "job train-mxfp8" not in log
+
+
+@pytest.mark.slow
+def test_q3_10_refusals_pass(tmp_path):
+    code, log, report = _run(tmp_path / "q3", "--cases", "Q3-10")
+    case = _verdicts(report)["Q3-10"]
+    assert code == 0 and case["verdict"] == "pass", (case, log)
+
+
+@pytest.mark.slow
+def test_the_whole_matrix_on_cpu(tmp_path):
+    code, log, report = _run(tmp_path / "q3")
+    verdicts = {k: v["verdict"] for k, v in _verdicts(report).items()}
+    assert verdicts == {**{f"Q3-{i:02d}": "pass" for i in range(1, 11)}, "Q3-11": "not judged"}, (verdicts, log)
+    assert code == 0
+    cases = _verdicts(report)
+    assert cases["Q3-09"]["measured"]["resume-mxfp8"]["bitwise"] is True
+    ratios = cases["Q3-11"]["measured"]
+    assert {"throughput_ratio", "step_time_ratio"} <= set(ratios["mxfp8"]) and ratios["bf16"]["steady_steps"] == 20
