@@ -15,6 +15,8 @@ private name                                               used for
 ``torch.Tensor._make_wrapper_subclass``                    the quantized weight wrapper tensor
 ``torch._grouped_mm``                                      high-precision grouped GEMM (the BF16 path)
 ``torch.utils._pytree.tree_map``                           map over an aten call's nested arguments
+``torch.utils.cpp_extension._get_build_directory``         where torch builds the native kernels
+                                                           (their build turn's lock lives there)
 ``torch._dynamo.config`` recompile limits                  compiled codecs: one graph per shape
 ``torch.utils._python_dispatch.TorchDispatchMode``          the host-sync counter (``te_npu.testing``),
                                                            the capacity estimate's memory tracker
@@ -71,6 +73,7 @@ __all__ = [
     "grouped_mm_available",
     "grouped_mm_takes_dtype",
     "tree_map",
+    "extension_build_directory",
     "raise_dynamo_recompile_limits",
     "torch_dispatch_mode",
     "is_wrapper_subclass",
@@ -101,6 +104,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C._nn", "_parse_to"),
     ("torch", "_grouped_mm"),
     ("torch.utils._pytree", "tree_map"),
+    ("torch.utils.cpp_extension", "_get_build_directory"),
     ("torch._dynamo.config", "recompile_limit"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
@@ -183,6 +187,14 @@ def grouped_mm_takes_dtype(t: torch.Tensor) -> bool:
     (``_meta_grouped_mm_common``: "Expected inputs of BF16 type", CUDA's rule), while the CPU
     kernel itself takes FP32 / FP16 / BF16."""
     return t.dtype == torch.bfloat16 or not holds_no_data(t)
+
+
+def extension_build_directory(name: str) -> str:
+    """The folder ``torch.utils.cpp_extension.load(name=...)`` builds in (created if missing;
+    honours ``TORCH_EXTENSIONS_DIR``)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
 
 
 def tree_map(fn, tree):

@@ -12,7 +12,10 @@ decode) runs the eager code it inherits, the same bits.
 The kernels (``native/{mxfp8_cpu,hif8_cpu,decode_cpu,bindings}.cpp``) are C++ built on first use with
 ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja, as ``torch.compile`` on CPU
 needs a compiler) and cached by torch under ``~/.cache/torch_extensions``; the first build takes
-about a minute on 2 cores. Build flags follow the CPU capability PyTorch detected (AVX2 / AVX-512 /
+about a minute on 2 cores. Builders take turns under an OS file lock (``flock``, released by the
+kernel when a process dies), so a build killed mid-way cannot leave torch's own ``lock`` file
+behind to hang every later build: a ``lock`` found while holding the turn is stale and removed,
+with one line saying so. Build flags follow the CPU capability PyTorch detected (AVX2 / AVX-512 /
 portable), and the capability is part of the extension name so caches never mix them.
 
 Nothing here falls back silently: if the kernel cannot be built, :func:`quantize_dual` and
@@ -23,6 +26,8 @@ Shape legend as in :mod:`te_npu.numerics.mxfp8`: ``x: [..., N, K]``; blocks of 3
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import sys
 from functools import lru_cache
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from te_npu import compat
 from te_npu.numerics import hif8, mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 from te_npu.ops.group_sizes import host_group_sizes
@@ -65,6 +71,29 @@ class NativeKernelUnavailable(RuntimeError):
     """The C++ kernel could not be built or loaded on this machine (message says why)."""
 
 
+@contextlib.contextmanager
+def build_turn(build_dir: Path):
+    """Hold this process's turn to build into ``build_dir`` (an exclusive ``flock`` on
+    ``build_dir/te_npu_build.flock``; other builders wait, a dead holder's turn ends with it).
+
+    torch's ``FileBaton`` marks a build with ``build_dir/lock`` (created, then removed when the
+    build ends); a killed build leaves it, and torch then waits for it forever. Every te_npu
+    build holds the turn while torch's baton exists, so one found on entry is stale: it is removed,
+    with one line on stderr naming it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "te_npu_build.flock", "a+b") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                stale.unlink()
+                print(f"te_npu native kernels: removed {stale}, left by a build that was killed mid-way",
+                      file=sys.stderr, flush=True)
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+
+
 @lru_cache(maxsize=None)
 def _load():
     """Build (first call on a machine) and import the extension; ``(module, None)`` or ``(None, reason)``."""
@@ -75,13 +104,17 @@ def _load():
 
         # the content hash keys torch's build cache on headers too (it hashes only the sources)
         digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
-        module = load(
-            name=f"te_npu_native_cpu_{capability.lower()}_{digest}",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", *flags, *_OPENMP],
-            extra_ldflags=_OPENMP,
-            verbose=False,
-        )
+        name = f"te_npu_native_cpu_{capability.lower()}_{digest}"
+        build_dir = Path(compat.extension_build_directory(name))  # torch's own place for it
+        with build_turn(build_dir):
+            module = load(
+                name=name,
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=["-O3", *flags, *_OPENMP],
+                extra_ldflags=_OPENMP,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - compiler / ninja / loader errors all mean "unavailable"
         lines = str(exc).strip().splitlines()
         return None, f"{type(exc).__name__}: {lines[-1] if lines else repr(exc)}"
