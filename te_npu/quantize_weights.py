@@ -19,8 +19,10 @@ def quantize_weights_(module: nn.Module, recipe: Recipe) -> nn.Module:
     embeddings, router) are untouched. Forward never re-quantizes these weights; they are
     refreshed from an FP32 master after each optimizer step (``te_npu.distributed.optim``).
     A meta-built module gets meta quantized weights without values (for sharding before
-    allocation; ``MasterWeightOptimizer`` writes them from the masters). Raises ``ValueError``
-    for a weight already quantized in another format.
+    allocation; ``MasterWeightOptimizer`` writes them from the masters). A weight already
+    quantized by ``recipe`` is kept; one of the other MXFP8 scale rule is re-quantized from its
+    preserved high-precision value while that still reproduces it. Raises ``ValueError`` for a
+    weight quantized in another format, or of the other rule without such a value.
     """
     for submodule in module.modules():
         if isinstance(submodule, TEModule):

@@ -148,23 +148,31 @@ def _scale_rule(quantizer) -> str | None:
     return getattr(quantizer, "scale_alg", None)
 
 
-def _high_precision_for_rule_change(weight: QuantizedWeightTensor, numerics: GemmNumerics,
-                                    context: GemmContext) -> torch.Tensor:
-    """The value to re-quantize a weight of another scale rule from: its preserved high-precision
-    value, if that still quantizes (under the weight's own rule) to the stored row payload, i.e.
-    the weight has not changed since; else ``LowPrecisionUnavailableError`` naming both rules."""
-    have, want = _scale_rule(weight.quantizer), _scale_rule(numerics.quantizers[QuantizationRole.WEIGHT_FWD])
+def preserved_value_for_rule_change(weight: QuantizedWeightTensor) -> tuple[torch.Tensor | None, str]:
+    """The value to re-quantize ``weight`` under another MXFP8 scale rule from, or ``(None, why)``.
+
+    That is its preserved high-precision value (TE's ``get_high_precision_init_val``), on the
+    weight's device in its logical dtype, but only while it still quantizes (under the weight's
+    own rule) to the stored row payload, i.e. the weight has not changed since it was quantized."""
     getter = getattr(weight, "get_high_precision_init_val", None)
     value = getter() if callable(getter) else None
     if value is None:
-        why = ("it has no high-precision value to re-quantize from (build it under this recipe, or keep "
-               "one with quantized_model_init(preserve_high_precision_init_val=True))")
-    else:
-        value = value.to(device=weight.device, dtype=weight.dtype)
-        stored, again = weight.select("row"), to_canonical(weight.quantizer.quantize(value, orientation="row"))
-        if torch.equal(again.scale, stored.scale) and torch.equal(again.data.view(torch.uint8), stored.data.view(torch.uint8)):
-            return value
-        why = "its preserved high-precision value no longer quantizes to it (the weight changed since)"
+        return None, ("it has no high-precision value to re-quantize from (build it under this recipe, or keep "
+                      "one with quantized_model_init(preserve_high_precision_init_val=True))")
+    value = value.to(device=weight.device, dtype=weight.dtype)
+    stored, again = weight.select("row"), to_canonical(weight.quantizer.quantize(value, orientation="row"))
+    if torch.equal(again.scale, stored.scale) and torch.equal(again.data.view(torch.uint8), stored.data.view(torch.uint8)):
+        return value, ""
+    return None, "its preserved high-precision value no longer quantizes to it (the weight changed since)"
+
+
+def _high_precision_for_rule_change(weight: QuantizedWeightTensor, numerics: GemmNumerics,
+                                    context: GemmContext) -> torch.Tensor:
+    """:func:`preserved_value_for_rule_change`, else ``LowPrecisionUnavailableError`` naming both rules."""
+    have, want = _scale_rule(weight.quantizer), _scale_rule(numerics.quantizers[QuantizationRole.WEIGHT_FWD])
+    value, why = preserved_value_for_rule_change(weight)
+    if value is not None:
+        return value
     raise LowPrecisionUnavailableError(
         f"{context.name}: weight {list(weight.shape)} was quantized with MXFP8 scale_alg={have!r} but the recipe "
         f"({type(numerics.recipe).__name__}) computes scale_alg={want!r}, and {why}; quantize the weights and "

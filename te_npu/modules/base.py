@@ -33,7 +33,7 @@ from torch import nn
 from te_npu.autocast import get_quantized_init_state
 from te_npu.formats import QuantizationRole
 from te_npu.functional.main_grad import MainGradWrite
-from te_npu.functional.weight_cache import WeightCache, high_precision_weight
+from te_npu.functional.weight_cache import WeightCache, high_precision_weight, preserved_value_for_rule_change
 from te_npu.modules.forward_recipe import ForwardRecipes
 from te_npu.ops import require_low_precision
 from te_npu.quantizers import Quantizer
@@ -119,7 +119,9 @@ class TEModule(nn.Module):
         """Replace every high-precision GEMM weight by a quantized parameter of ``recipe``.
 
         The new parameter is a different object (build optimizers afterwards); a weight that
-        is already quantized in ``recipe``'s format is kept, one in another format raises. A
+        is already quantized in ``recipe``'s format and MXFP8 scale rule is kept, one in another
+        format raises; one of the other scale rule is re-quantized from its preserved
+        high-precision value while that still reproduces it, else raises naming both rules. A
         meta weight becomes a meta quantized weight with no values (shard it, ``to_empty`` it,
         then write it with ``refresh_from_master``: ``MasterWeightOptimizer``'s initialisation).
         ``preserve_high_precision_init_val``: keep the high-precision value on the CPU behind
@@ -127,16 +129,24 @@ class TEModule(nn.Module):
         """
         for name in self._weight_names:
             weight = getattr(self, name)
+            requires_grad, preserve = weight.requires_grad, preserve_high_precision_init_val
             if isinstance(weight, QuantizedWeightTensor):
                 if weight.format != recipe.format:
                     raise ValueError(f"{self.te_name}.{name}: already quantized as {weight.format.value}, "
                                      f"cannot convert to {recipe.format.value} (load the high-precision weights)")
-                continue
-            if weight.is_meta and preserve_high_precision_init_val:
+                have, want = getattr(weight.quantizer, "scale_alg", None), getattr(recipe, "scale_alg", None)
+                if have == want:
+                    continue
+                value, why = preserved_value_for_rule_change(weight)
+                if value is None:
+                    raise ValueError(f"{self.te_name}.{name}: quantized with MXFP8 scale_alg={have!r}, the recipe "
+                                     f"computes scale_alg={want!r}, and {why}")
+                weight, preserve = value, True  # the preserved value stays behind the new weight too
+            if weight.is_meta and preserve:
                 raise ValueError(f"{self.te_name}.{name}: a meta weight has no high-precision value to preserve")
             make = empty_quantized_weight if weight.is_meta else quantize_weight
-            quantized = nn.Parameter(make(weight.detach(), recipe), requires_grad=weight.requires_grad)
-            if preserve_high_precision_init_val:
+            quantized = nn.Parameter(make(weight.detach(), recipe), requires_grad=requires_grad)
+            if preserve:
                 attach_high_precision_init_val(quantized, weight.detach().cpu())
             setattr(self, name, quantized)
             self._weight_caches[name].clear()

@@ -90,3 +90,36 @@ def test_weight_changed_since_its_preserved_value_raises_instead_of_using_it(x):
     with pytest.raises(LowPrecisionUnavailableError, match="no longer quantizes to it"):
         with te_npu.autocast(recipe=CEIL):
             lin(x)
+
+
+def test_quantize_weights_re_quantizes_a_weight_of_the_other_rule_from_its_preserved_value(x):
+    """quantize_weights_ under the ceil recipe turns a floor weight (with its preserved value)
+    into the ceil weight quantized_model_init(ceil) builds, bit for bit, keeping the value."""
+    lin = _linear(FLOOR, preserve=True)
+    te_npu.quantize_weights_(lin, CEIL)
+    want = _linear(CEIL)
+    assert lin.weight.quantizer.scale_alg == "ceil" and lin.weight.requires_grad
+    assert torch.equal(lin.weight.select("row").scale, want.weight.select("row").scale)
+    assert torch.equal(lin.weight.select("row").data.view(torch.uint8), want.weight.select("row").data.view(torch.uint8))
+    assert lin.weight.get_high_precision_init_val() is not None
+    assert _bits_equal(_run(lin, CEIL, x), _run(want, CEIL, x))
+
+
+def test_quantize_weights_refuses_a_weight_of_the_other_rule_it_cannot_re_quantize():
+    lin = _linear(FLOOR)
+    with pytest.raises(ValueError, match=r"weight: quantized with MXFP8 scale_alg='floor', the recipe computes "
+                                         r"scale_alg='ceil', and it has no high-precision value"):
+        te_npu.quantize_weights_(lin, CEIL)
+    assert lin.weight.quantizer.scale_alg == "floor"  # left as it was
+    stale = _linear(FLOOR, preserve=True)
+    with torch.no_grad():
+        stale.weight.copy_(stale.weight.dequantize() * 2)
+    with pytest.raises(ValueError, match="no longer quantizes to it"):
+        te_npu.quantize_weights_(stale, CEIL)
+
+
+def test_quantize_weights_keeps_a_weight_of_the_same_rule():
+    lin = _linear(CEIL)
+    before = lin.weight
+    te_npu.quantize_weights_(lin, MXFP8BlockRecipe())
+    assert lin.weight is before
