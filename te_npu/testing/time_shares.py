@@ -27,6 +27,12 @@ batched ``bmm`` is left out: in this model only attention's CPU math path runs i
 collective. Everything else is "other". So nested ranges never count twice: a quantization
 inside a gather counts as quant, an aten op inside a te_npu GEMM as MM-GMM.
 
+**Collective worker threads** -- a host track whose every outermost span is a collective
+library's own (``gloo:`` / ``nccl:`` / ``hccl:`` names, the threads gloo runs its
+all-gathers and all-reduces on) -- are not counted: the step's thread waits for them inside the
+FSDP ranges, where that wait already counts as all-gather / reduce-scatter. Their busy time is
+reported apart (``comm_threads_ms``, by name).
+
 **Device spans** (kernels, ``Span.device``) do not nest with host spans; each takes the category
 of the host span that launched it (``Span.sources``, the flow links of the trace; the first
 source with a category other than "other" wins), else of its own name (a collective kernel:
@@ -74,6 +80,7 @@ _KERNEL_RULES = (
     (re.compile(r"all_?gather", re.I), "all_gather"),
     (re.compile(r"reduce_?scatter", re.I), "reduce_scatter"),
 )
+_COMM_THREAD_SPAN = re.compile(r"^(gloo|nccl|hccl):", re.I)
 _EPS_US = 1e-3
 
 
@@ -129,7 +136,8 @@ def time_shares(spans: Sequence[Span], wall_us: float) -> dict:
 
     Returns ``{"basis": "host" | "device", "wall_ms", "ms": {category: ms}, "percent":
     {category: % of wall}, "unattributed_ms", "unattributed_percent", "host_ms": {category: ms}
-    (host self time, also when the basis is device), "by_label": {category: [[label, ms], ...]}
+    (host self time, also when the basis is device), "comm_threads_ms": {span name: ms} (the
+    collective worker threads, not counted), "by_label": {category: [[label, ms], ...]}
     (the deciding range or op names, largest first, ten at most)}``.
     """
     if wall_us <= 0:
@@ -139,6 +147,12 @@ def time_shares(spans: Sequence[Span], wall_us: float) -> dict:
     for i, p in enumerate(parents):
         if p is not None:
             children_us[p] += spans[i].dur_us
+    roots: dict = defaultdict(list)
+    for i, s in enumerate(spans):
+        if not s.device and parents[i] is None:
+            roots[s.track].append(s.name)
+    comm_tracks = {t for t, names in roots.items() if all(_COMM_THREAD_SPAN.match(n) for n in names)}
+    comm = Counter()
     cache: dict[int, tuple[str, str]] = {}
 
     def decide(i: int) -> tuple[str, str]:
@@ -171,6 +185,9 @@ def time_shares(spans: Sequence[Span], wall_us: float) -> dict:
             category = category or "other"
             device[category] += s.dur_us
             labels[category][label] += s.dur_us
+        elif s.track in comm_tracks:
+            if parents[i] is None:
+                comm[s.name] += s.dur_us
         else:
             category, label = decide(i)
             own = max(0.0, s.dur_us - children_us[i])
@@ -187,5 +204,6 @@ def time_shares(spans: Sequence[Span], wall_us: float) -> dict:
         "unattributed_ms": to_ms(wall_us - sum(basis.values())),
         "unattributed_percent": round(100 * (wall_us - sum(basis.values())) / wall_us, 2),
         "host_ms": {c: to_ms(host[c]) for c in CATEGORIES},
+        "comm_threads_ms": {name: to_ms(us) for name, us in comm.most_common()},
         "by_label": {c: [[name, to_ms(us)] for name, us in labels[c].most_common(10)] for c in CATEGORIES if labels[c]},
     }

@@ -57,6 +57,14 @@ def test_spans_nest_per_track_only():
     assert shares["unattributed_ms"] == -0.004  # two tracks overlap
 
 
+def test_collective_worker_threads_are_reported_apart_not_counted():
+    spans = [_host("FSDP::all_gather", 0, 10), _host("c10d::_allgather_base_", 1, 8),
+             _host("gloo:all_gather", 2, 7, ("p", 3)), _host("gloo:all_reduce", 12, 5, ("p", 3))]
+    shares = time_shares(spans, wall_us=20.0)
+    assert shares["ms"]["all_gather"] == 0.01 and shares["unattributed_ms"] == 0.01
+    assert shares["comm_threads_ms"] == {"gloo:all_gather": 0.007, "gloo:all_reduce": 0.005}
+
+
 def test_device_kernels_take_the_category_of_the_op_that_launched_them():
     spans = [
         _host("te_npu::quantize mxfp8 dual", 0, 10),
