@@ -644,7 +644,9 @@ def _report_sections(args, memory: dict, switches: dict, shares: dict) -> list[s
     if switches:
         lines += ["", "## Reshard and recompute (section 17.4)", "",
                   f"Each switch flipped against the main phase, same steps 2..{SHORT_STEPS} (same data): mean step time "
-                  "(rank 0) and global peak memory (the main phase's peak also covers its later steps and the DCP save).",
+                  "(rank 0) and global peak memory (the main phase's peak also covers its later steps and the DCP save)."
+                  + ("" if args.npu else " On CPU: **emulation numbers** (the emulation's step times on a shared "
+                                         "machine, host RSS), nothing about the A5."),
                   "", "| format | switch | step ms (main -> flipped) | change | peak GiB (main -> flipped) | change |",
                   "|---|---|---|---|---|---|"]
         for key, d in switches.items():
