@@ -14,10 +14,15 @@ the same functions the system tests assert. Under ``torchrun`` this script is on
 ranks (``--job``). Extra arguments are config overrides applied to every recipe.
 
 Writes into ``--out``: ``report.md`` and ``report.json`` (one row per case: pass / fail / not
-judged, with the reasons and evidence files), ``environment.json`` (commit, torch / torch_npu /
-CANN, each YAML as run, seed, world size), ``curves_loss.png`` / ``curves_grad_norm.png``, and per
-job ``jobs/<job>/<phase>/rank<r>.json`` (step records, the rules' problems, the module list, the
-MM/GMM trace, the FSDP gather trace, HiF8 scale statistics, refresh counts, peak memory). A case
+judged, with the reasons and evidence files; then spec 17.4's time shares of quant / MM-GMM /
+all-gather / reduce-scatter per format, the reshard / recompute differences and every phase's
+per-rank and global peak memory), ``environment.json`` (commit, torch / torch_npu / CANN, each
+YAML as run, seed, world size), ``curves_loss.png`` / ``curves_grad_norm.png``, and per job
+``jobs/<job>/<phase>/rank<r>.json`` (step records, the rules' problems, the module list, the
+MM/GMM trace, the FSDP gather trace, HiF8 scale statistics, refresh counts, the phase's peak
+memory). With Q3-11 a ``profile`` job runs the timing job's configuration for PROFILE_STEPS
+steps under the profiler (``te_npu.testing.step_profile``; Q3-11's own steps stay unprofiled),
+its traces and tables in ``jobs/profile/<format>/rank<r>/``. A case
 with a verdict in ``cases/<id>.json`` is skipped on a re-run with the same ``--out`` (delete the
 file to run it again). Exit code: 0 when no case fails, 1 otherwise.
 """
@@ -54,6 +59,7 @@ PASS, FAIL, NOT_JUDGED = "pass", "fail", "not judged"
 SHORT_STEPS = 5  # Q3-05..08 and the resume: "各运行 5 steps"
 PERF_WARMUP = {"cpu": 3, "npu": 10}
 PERF_STEADY = 20
+PROFILE_STEPS = 3  # the profiled job (time shares, spec 17.4): warm-up as PERF_WARMUP, then these
 
 # The system tests' CPU settings (tests/system/harness.py): 2 layers (a dense and a MoE one, every
 # TE module kind), 64-token sequences, BF16 parameters as on A5.
@@ -92,6 +98,9 @@ NEEDS = {
     "Q3-10": [("train-mxfp8", "misaligned", None)],
     "Q3-11": [("perf", f, None) for f in FORMATS],
 }
+# case -> the (job, phase) s its report needs besides the judged ones (a failure there is reported,
+# never judged): Q3-11's time shares come from a profiled run apart from its profiling-off timing
+REPORTED = {"Q3-11": [("profile", f) for f in FORMATS]}
 
 
 # ---------------------------------------------------------------- where we are
@@ -155,13 +164,40 @@ def _evidence(result: dict) -> dict:
     return out
 
 
-def _peak_memory() -> dict:
+def _reset_peak_memory(npu: bool) -> bool:
+    """Start a phase's peak memory afresh: the device's peak statistics on an NPU, the host's peak
+    RSS (Linux ``/proc/self/clear_refs`` 5: VmHWM back to the current RSS). False if the host's
+    cannot be reset (its peak is then the process's so far)."""
+    if npu:
+        import torch
+
+        torch.npu.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_memory(npu: bool, host_reset: bool) -> dict:
+    """This phase's peak memory: ``host_peak_rss_bytes`` (VmHWM, since the phase began when
+    ``host_reset``, else since the process began) and on an NPU the device's peak allocated /
+    reserved bytes (since the phase began)."""
     import resource
 
     import torch
 
-    peak = {"host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if getattr(torch, "npu", None) is not None and on_npu():
+    peak = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "host_peak_since": "phase" if host_reset else "process"}
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next((line.split()[1] for line in f if line.startswith("VmHWM:")), None)
+        if hwm is not None:
+            peak["host_peak_rss_bytes"] = int(hwm) * 1024
+    except OSError:
+        pass
+    if npu:
         peak["device_max_allocated_bytes"] = int(torch.npu.max_memory_allocated())
         peak["device_max_reserved_bytes"] = int(torch.npu.max_memory_reserved())
     return peak
@@ -209,12 +245,13 @@ def _phase(args, job: str, phase: str, rank: int, world: int, fn) -> None:
     """Run one phase on this rank, writing ``jobs/<job>/<phase>/rank<r>.json`` (an error is recorded,
     never raised: the next phase still runs)."""
     out = Path(args.out) / "jobs" / job / phase / f"rank{rank}.json"
+    host_reset = _reset_peak_memory(args.npu)
     start = time.time()
     try:
         data = fn()
     except Exception as exc:  # noqa: BLE001 - recorded as the phase's failure
         data = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    data.update(seconds=round(time.time() - start, 1), world=world, memory=_peak_memory())
+    data.update(seconds=round(time.time() - start, 1), world=world, memory=_peak_memory(args.npu, host_reset))
     _write(out, data)
 
 
@@ -310,6 +347,9 @@ def _run_job(args, job: str, phases: list[str]) -> None:
     elif kind == "perf":
         for fmt_ in phases:
             _phase(args, job, fmt_, rank, world, lambda f=fmt_: _perf(args, f, jobdir / f))
+    elif kind == "profile":
+        for fmt_ in phases:
+            _phase(args, job, fmt_, rank, world, lambda f=fmt_: _profiled(args, f, jobdir / f, rank))
 
 
 def _perf(args, fmt: str, workdir: Path) -> dict:
@@ -331,6 +371,35 @@ def _perf(args, fmt: str, workdir: Path) -> dict:
         raise
     trainer.close()
     return {"records": records, "warmup": warmup, "config": cfg.to_dict(), "lines": lines[-10:]}
+
+
+def _profiled(args, fmt: str, workdir: Path, rank: int) -> dict:
+    """The timing job's configuration, warm-up, then PROFILE_STEPS steps under the profiler
+    (``te_npu.testing.step_profile``): the time shares of quant / MM-GMM / all-gather /
+    reduce-scatter, the trace and table in ``<workdir>/rank<r>/``."""
+    import dataclasses
+
+    from models.deepseek_v3.pretrain import DeepseekV3Task
+    from te_npu.testing.step_profile import profile_steps
+    from te_npu.training.trainer import Trainer
+
+    warmup = PERF_WARMUP["npu" if args.npu else "cpu"]
+    cfg = _config(args, fmt, workdir)
+    lines: list[str] = []
+    records: list[dict] = []
+    trainer = Trainer(DeepseekV3Task(), print_fn=lines.append)
+    try:
+        trainer.setup(cfg)
+        for _ in range(warmup):
+            trainer.train_step()
+        profile = profile_steps(lambda: records.append(dataclasses.asdict(trainer.train_step())), PROFILE_STEPS,
+                                workdir / f"rank{rank}", npu=args.npu)
+    except BaseException:
+        trainer.abandon()
+        raise
+    trainer.close()
+    profile["files"] = [f"{fmt}/rank{rank}/{name}" for name in profile["files"]]
+    return {"records": records, "warmup": warmup, **profile, "lines": lines[-10:]}
 
 
 # ---------------------------------------------------------------- orchestration
@@ -400,6 +469,8 @@ def judge(args, case: str) -> dict:
     if not reasons and case == "Q3-09" and not all(m and m["bitwise"] for m in measured.values()):
         verdict, why = NOT_JUDGED, ["resume differs from the continuous run (measured in `measured`); the spec's "
                                     "tolerance is not frozen yet (section 17.2)"]
+    if case == "Q3-11":
+        evidence += [f"jobs/{job}/{phase}/" for job, phase in REPORTED[case]]
     if not reasons and case == "Q3-11":
         if not args.npu:
             verdict, why = NOT_JUDGED, ["emulation: CPU step times say nothing about the A5 kernels (ratios reported)"]
@@ -460,16 +531,140 @@ def _plot(args) -> list[str]:
     return written
 
 
+def _memory_key(args) -> str:
+    return "device_max_allocated_bytes" if args.npu else "host_peak_rss_bytes"
+
+
 def _memory(args) -> dict:
-    """Per-rank and global peak memory of each main phase (device bytes on an NPU, host RSS here)."""
+    """Per job and phase: per-rank and global peak memory (device bytes allocated on an NPU, host
+    peak RSS here), each phase's own peak (reset when it began)."""
+    out = {}
+    for job_dir in sorted((Path(args.out) / "jobs").glob("*")):
+        for phase_dir in sorted(p for p in job_dir.glob("*") if p.is_dir()):
+            ranks = _read(args, job_dir.name, phase_dir.name)
+            if not ranks:
+                continue
+            per_rank = [d.get("memory", {}).get(_memory_key(args)) for d in ranks]
+            known = [v for v in per_rank if v is not None]
+            out[f"{job_dir.name}/{phase_dir.name}"] = {
+                "what": _memory_key(args), "per_rank": per_rank, "global_max": max(known) if known else None,
+                "since": sorted({d.get("memory", {}).get("host_peak_since", "phase") for d in ranks})}
+    return out
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _switches(args, memory: dict) -> dict:
+    """Spec 17.4's reshard / recompute differences, from the jobs' own data: per format, the
+    phase with the switch flipped (``reshard_after_forward: false``; full recompute) against the
+    main phase (``true``; none) over the same steps 2..5 (same data): mean step time (rank 0)
+    and global peak memory (the main phase's also covers its later steps and the DCP save)."""
     out = {}
     for f in FORMATS:
-        ranks = _read(args, f"train-{f}", "main")
-        if ranks:
-            key = "device_max_allocated_bytes" if args.npu else "host_max_rss_bytes"
-            per_rank = [d.get("memory", {}).get(key) for d in ranks]
-            out[f] = {"what": key, "per_rank": per_rank, "global_max": max(v for v in per_rank if v is not None)}
+        main = _read(args, f"train-{f}", "main")
+        if not main or not main[0].get("records"):
+            continue
+        for phase, switch in (("reshard_false", "reshard_after_forward true -> false"),
+                              ("recompute", "activation_checkpoint none -> full")):
+            other = _read(args, f"train-{f}", phase)
+            if not other or not other[0].get("records"):
+                continue
+            base_ms = _mean(r["elapsed_ms"] for r in main[0]["records"][1:SHORT_STEPS])
+            ms = _mean(r["elapsed_ms"] for r in other[0]["records"][1:SHORT_STEPS])
+            base_mem = memory.get(f"train-{f}/main", {}).get("global_max")
+            mem = memory.get(f"train-{f}/{phase}", {}).get("global_max")
+            out[f"{f}/{phase}"] = {
+                "switch": switch, "steps": f"2..{SHORT_STEPS}", "step_ms": [base_ms, ms],
+                "step_time_change": None if not base_ms or ms is None else ms / base_ms - 1,
+                "peak_bytes": [base_mem, mem],
+                "peak_change_bytes": None if base_mem is None or mem is None else mem - base_mem}
     return out
+
+
+def _time_shares(args) -> dict:
+    """Per format: the profiled job's time shares, per rank and their mean over the ranks."""
+    from te_npu.testing.time_shares import CATEGORIES
+
+    out = {}
+    for f in FORMATS:
+        ranks = _read(args, "profile", f)
+        if not ranks:
+            continue
+        errors = [f"rank {r}: {d['error']}" for r, d in enumerate(ranks) if "error" in d]
+        if errors:
+            out[f] = {"error": errors}
+            continue
+        shares = [d["shares"] for d in ranks]
+        out[f] = {"basis": shares[0]["basis"], "steps": ranks[0]["steps"],
+                  "wall_ms_per_step": _mean(s["wall_ms"] for s in shares) / ranks[0]["steps"],
+                  "percent": {c: _mean(s["percent"][c] for s in shares) for c in CATEGORIES},
+                  "ms_per_step": {c: _mean(s["ms"][c] for s in shares) / ranks[0]["steps"] for c in CATEGORIES},
+                  "unattributed_percent": _mean(s["unattributed_percent"] for s in shares),
+                  "per_rank": shares, "files": [f"jobs/profile/{name}" for d in ranks for name in d["files"]]}
+    return out
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def _report_sections(args, memory: dict, switches: dict, shares: dict) -> list[str]:
+    """report.md's sections of spec 17.4: time shares, reshard / recompute, peak memory."""
+    from te_npu.testing.time_shares import CATEGORIES
+
+    names = {"quant": "quant", "mm_gmm": "MM-GMM", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+             "other": "other"}
+    lines = []
+    if shares:
+        basis = {s.get("basis") for s in shares.values() if "basis" in s}
+        what = ("device busy time per category (NPU kernels and HCCL tasks, by the host range that launched them)"
+                if basis == {"device"} else
+                "host self time of the ops under each range: **emulation numbers** (the CPU emulation's "
+                "quantization and GEMMs, nothing about the A5 kernels)")
+        lines += ["", "## Time shares (section 17.4)", "",
+                  f"{PROFILE_STEPS} profiled steps per format after the timing job's warm-up, in a run apart from "
+                  f"Q3-11's (profiling off there), mean over the ranks: percent of step wall time (ms per step). "
+                  f"Measured: {what}. Rule: each span's self time counts once, in the innermost labelled range "
+                  "around it (`te_npu::quantize`, `te_npu::gemm`, FSDP2's `FSDP::all_gather*` / "
+                  "`FSDP::post_backward_reduce`; outside them aten GEMMs count as MM-GMM); *not in an op*: wall "
+                  "time no op covers (Python between ops; device idle), negative where tracks overlap. "
+                  "Traces and tables: `jobs/profile/<format>/rank<r>/`.", "",
+                  "| format | step ms | " + " | ".join(names[c] for c in CATEGORIES) + " | not in an op |",
+                  "|---|---|" + "---|" * (len(CATEGORIES) + 1)]
+        for f, s in shares.items():
+            if "error" in s:
+                lines.append(f"| {f} | not measured: {'; '.join(s['error'])[:200]} |" + " |" * (len(CATEGORIES) + 1))
+                continue
+            cells = [f"{s['percent'][c]:.1f}% ({s['ms_per_step'][c]:.1f})" for c in CATEGORIES]
+            lines.append(f"| {f} | {s['wall_ms_per_step']:.1f} | " + " | ".join(cells)
+                         + f" | {s['unattributed_percent']:.1f}% |")
+    if switches:
+        lines += ["", "## Reshard and recompute (section 17.4)", "",
+                  f"Each switch flipped against the main phase, same steps 2..{SHORT_STEPS} (same data): mean step time "
+                  "(rank 0) and global peak memory (the main phase's peak also covers its later steps and the DCP save)."
+                  + ("" if args.npu else " On CPU: **emulation numbers** (the emulation's step times on a shared "
+                                         "machine, host RSS), nothing about the A5."),
+                  "", "| format | switch | step ms (main -> flipped) | change | peak GiB (main -> flipped) | change |",
+                  "|---|---|---|---|---|---|"]
+        for key, d in switches.items():
+            (base_ms, ms), (base_mem, mem) = d["step_ms"], d["peak_bytes"]
+            change = "-" if d["step_time_change"] is None else f"{100 * d['step_time_change']:+.1f}%"
+            mem_change = "-" if d["peak_change_bytes"] is None else f"{d['peak_change_bytes'] / 2**20:+.0f} MiB"
+            lines.append(f"| {key.split('/')[0]} | {d['switch']} | {base_ms:.1f} -> {ms:.1f} | {change} | "
+                         f"{_gib(base_mem)} -> {_gib(mem)} | {mem_change} |")
+    if memory:
+        what = next(iter(memory.values()))["what"]
+        since = sorted({x for m in memory.values() for x in m["since"]})
+        lines += ["", "## Peak memory per job and phase", "",
+                  f"`{what}` in GiB, each phase's own peak" + ("" if since == ["phase"] else
+                                                                " (host peak since the process began where it could not be reset)")
+                  + "; global: the largest rank.", "", "| job/phase | per rank | global |", "|---|---|---|"]
+        for key, m in memory.items():
+            lines.append(f"| {key} | {', '.join(_gib(b) for b in m['per_rank'])} | {_gib(m['global_max'])} |")
+    return lines
 
 
 def write_report(args, verdicts: list[dict]) -> int:
@@ -477,8 +672,11 @@ def write_report(args, verdicts: list[dict]) -> int:
     _write(Path(args.out) / "environment.json", env)
     curves = _plot(args)
     memory = _memory(args)
+    switches = _switches(args, memory)
+    shares = _time_shares(args)
     report = {"tool": "scripts/q3_acceptance.py", "environment": "environment.json", "curves": curves,
-              "memory": memory, "cases": verdicts, "summary": dict(Counter(v["verdict"] for v in verdicts))}
+              "memory": memory, "reshard_recompute": switches, "time_shares": shares, "cases": verdicts,
+              "summary": dict(Counter(v["verdict"] for v in verdicts))}
     _write(Path(args.out) / "report.json", report)
     lines = [f"# Q3 acceptance ({env['backend']}, {args.nproc} ranks, commit {str(env['commit'])[:12]})", "",
              f"torch {env['torch']}, torch_npu {env['torch_npu']}, CANN {env['cann']}, device {env['device']}; "
@@ -490,10 +688,7 @@ def write_report(args, verdicts: list[dict]) -> int:
     for v in verdicts:
         if v["measured"]:
             lines += ["", f"{v['id']} measured: `{json.dumps(v['measured'], default=str)}`"]
-    if memory:
-        lines += ["", "Peak memory per rank (" + next(iter(memory.values()))["what"] + "): " + "; ".join(
-            f"{f} {[round(b / 2**30, 2) if b else None for b in m['per_rank']]} GiB (max {m['global_max'] / 2**30:.2f})"
-            for f, m in memory.items())]
+    lines += _report_sections(args, memory, switches, shares)
     lines += ["", f"Curves: {', '.join(curves)}. Environment (each YAML as run, seed, versions): environment.json."]
     (Path(args.out) / "report.md").write_text("\n".join(lines) + "\n")
     return 0 if all(v["verdict"] != FAIL for v in verdicts) else 1
@@ -505,10 +700,10 @@ def _todo(args) -> tuple[list[str], list[str], dict[str, list[str]]]:
     todo = [c for c in args.cases if not (out / "cases" / f"{c}.json").exists()]
     needed: dict[str, list[str]] = {}
     for case in todo:
-        for job, phase, _ in NEEDS[case]:
+        for job, phase in [(j, p) for j, p, _ in NEEDS[case]] + REPORTED.get(case, []):
             if _read(args, job, phase) is None and phase not in needed.setdefault(job, []):
                 needed[job].append(phase)
-    order = sorted(needed, key=lambda j: (j.startswith("resume"), j.startswith("perf"), j))  # resume after train
+    order = sorted(needed, key=lambda j: (j.startswith("resume"), j.startswith(("perf", "profile")), j))  # resume after train
     return todo, [c for c in args.cases if c not in todo], {j: needed[j] for j in order if needed[j]}
 
 

@@ -9,7 +9,8 @@ Grouped, ``group_list`` = int64 [G] row counts (not cumsum) of the 2D token oper
 - "TN" dW[G,N,K]: dW[g] = dY_g^T . X_g (ragged col operands; empty group -> zeros).
 MXFP8 operands must be blocked along the reduction dim. HiF8: out = (decode(left) @ decode(right))
 * left.scale * right.scale (right.scale [G] per group for grouped weights). A GEMM that cannot
-run raises; there is never a high-precision fallback.
+run raises; there is never a high-precision fallback. Each GEMM runs inside a profiler range
+``te_npu::gemm <kind> <gemm> <format>`` (``te_npu.ops.profiling``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from te_npu import events
 from te_npu.formats import Format
 from te_npu.ops.checks import check_gemm, check_grouped_gemm
+from te_npu.ops.profiling import GEMM_RANGE, op_range
 from te_npu.ops.registry import backend_for
 from te_npu.ops.operand import QuantizedOperand
 
@@ -57,7 +59,8 @@ def low_precision_matmul(
     fmt = check_gemm(left, right, layout, output_dtype)
     backend = backend_for(left.data.device)
     _emit("dense", left, right, layout, fmt, output_dtype, backend)
-    return backend.matmul(left, right, layout, output_dtype)
+    with op_range(f"{GEMM_RANGE} dense {GEMM_OF_LAYOUT[layout]} {fmt.value}"):
+        return backend.matmul(left, right, layout, output_dtype)
 
 
 def low_precision_grouped_matmul(
@@ -72,4 +75,5 @@ def low_precision_grouped_matmul(
     fmt = check_grouped_gemm(left, right, group_list, layout, output_dtype)
     backend = backend_for(left.data.device)
     _emit("grouped", left, right, layout, fmt, output_dtype, backend, group_list.numel())
-    return backend.grouped_matmul(left, right, group_list, layout, output_dtype)
+    with op_range(f"{GEMM_RANGE} grouped {GEMM_OF_LAYOUT[layout]} {fmt.value}"):
+        return backend.grouped_matmul(left, right, group_list, layout, output_dtype)

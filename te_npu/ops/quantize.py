@@ -5,7 +5,8 @@ own layout (``npu``: the kernel's block pairs, fed to the GEMM kernels unchanged
 canonical). The tuple-returning ``mxfp8_quantize`` / ``hif8_quantize`` ... give canonical
 layouts whatever the backend (MXFP8 scales uint8 ``[..., K/32]`` (row) / ``[..., M/32, N]`` (col) /
 ``[num_blocks, K]`` (ragged col); HiF8 codes uint8 with an FP32 scale ``[]`` or ``[E]``), for
-inspection and tests. Each call emits one ``te_npu.events.QuantEvent``.
+inspection and tests. Each call emits one ``te_npu.events.QuantEvent`` and runs its kernel inside a
+profiler range ``te_npu::quantize <format> <what>`` (``te_npu.ops.profiling``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 from te_npu.ops.group_sizes import with_mirror_of
 from te_npu.ops import layouts
 from te_npu.ops.operand import QuantizedOperand
+from te_npu.ops.profiling import QUANT_RANGE, op_range
 from te_npu.ops.registry import backend_for
 
 __all__ = [
@@ -60,10 +62,12 @@ def quantize_mxfp8(x: torch.Tensor, orientation: Orientation, *, group_sizes: to
                              f"{tuple(x.shape)}")
         sizes = with_mirror_of(group_sizes.to(device=x.device, dtype=torch.int64), group_sizes)
         _event(_MX, "col", x, backend, grouped=True)
-        data, scale = backend.mxfp8_quantize_grouped(x, sizes, block_size, scale_alg)
+        with op_range(f"{QUANT_RANGE} mxfp8 col grouped"):
+            data, scale = backend.mxfp8_quantize_grouped(x, sizes, block_size, scale_alg)
         return QuantizedOperand(data, scale, x.dtype, _MX, "col", sizes, backend.SCALE_LAYOUT)
     _event(_MX, orientation, x, backend)
-    data, scale = backend.mxfp8_quantize(x, _AXIS[orientation], block_size, scale_alg)
+    with op_range(f"{QUANT_RANGE} mxfp8 {orientation}"):
+        data, scale = backend.mxfp8_quantize(x, _AXIS[orientation], block_size, scale_alg)
     return QuantizedOperand(data, scale, x.dtype, _MX, orientation, None, backend.SCALE_LAYOUT)
 
 
@@ -72,7 +76,8 @@ def quantize_mxfp8_dual(w: torch.Tensor, *, block_size: int = MX_BLOCK_SIZE,
     """Row and col MXFP8 operands of ``w [..., N, K]``, both from the high-precision values."""
     backend = backend_for(w.device)
     _event(_MX, "dual", w, backend)
-    row_data, row_scale, col_data, col_scale = backend.mxfp8_quantize_dual(w, block_size, scale_alg)
+    with op_range(f"{QUANT_RANGE} mxfp8 dual"):
+        row_data, row_scale, col_data, col_scale = backend.mxfp8_quantize_dual(w, block_size, scale_alg)
     return (QuantizedOperand(row_data, row_scale, w.dtype, _MX, "row", None, backend.SCALE_LAYOUT),
             QuantizedOperand(col_data, col_scale, w.dtype, _MX, "col", None, backend.SCALE_LAYOUT))
 
@@ -85,7 +90,8 @@ def quantize_hif8(x: torch.Tensor, format_max: float, *, orientation: Orientatio
     if orientation is not None:
         _check_orientation(orientation)
     backend = backend_for(x.device)
-    codes, scale, amax = backend.hif8_quantize(x, format_max)
+    with op_range(f"{QUANT_RANGE} hif8 current"):
+        codes, scale, amax = backend.hif8_quantize(x, format_max)
     _event(Format.HIF8, orientation, x, backend, amax=amax, scale=scale, format_max=float(format_max))
     return QuantizedOperand(codes, scale, x.dtype, Format.HIF8, orientation or "row")
 
@@ -101,7 +107,8 @@ def quantize_hif8_with_scale(x: torch.Tensor, scale: torch.Tensor, *, orientatio
     backend = backend_for(x.device)
     _event(Format.HIF8, orientation, x, backend, amax=amax, scale=scale,
            format_max=None if format_max is None else float(format_max))
-    codes = backend.hif8_quantize_with_scale(x, scale)
+    with op_range(f"{QUANT_RANGE} hif8 with_scale"):
+        codes = backend.hif8_quantize_with_scale(x, scale)
     return QuantizedOperand(codes, scale, x.dtype, Format.HIF8, orientation or "row")
 
 
@@ -112,7 +119,8 @@ def mxfp8_quantize(x: torch.Tensor, axis: int = -1, block_size: int = MX_BLOCK_S
     if axis not in (-1, -2, x.dim() - 1, x.dim() - 2):
         backend = backend_for(x.device)
         _event(_MX, "col", x, backend)
-        return backend.mxfp8_quantize(x, axis, block_size, scale_alg)
+        with op_range(f"{QUANT_RANGE} mxfp8 axis{axis}"):
+            return backend.mxfp8_quantize(x, axis, block_size, scale_alg)
     orientation = "row" if axis in (-1, x.dim() - 1) else "col"
     op = layouts.to_canonical(quantize_mxfp8(x, orientation, block_size=block_size, scale_alg=scale_alg))
     return op.data, op.scale
