@@ -7,20 +7,56 @@ signal comes from outside the job; the others' errors are its consequence), then
 then the lowest rank. A rank killed by SIGBUS / SIGSEGV is diagnosed from the files it had
 memory-mapped (``te_npu.training.mapped_files``): the data file whose size changed under it is
 named, and the job's exit code is 2 (a data fault), never only the signal.
+
+A lost node (multi-node: another node's launcher killed, its host down): this node's ranks see
+their collectives break on closed connections, find which peers are gone
+(``te_npu.training.stall.StallWatch.lost_peers``) and leave that line in the launcher's folder
+(``leave_note``); the summary is then that line, ``launch: node 1 (ranks 2-3, host h) lost: ...``,
+exit 4 -- unless a rank of this node was killed by a signal (this launcher saw that itself).
 """
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Mapping
 from typing import Any
 
 from te_npu.training import mapped_files
 
-__all__ = ["EXIT_DATA", "first_failure", "summarize", "exit_code_of"]
+__all__ = ["EXIT_DATA", "first_failure", "summarize", "exit_code_of", "leave_note", "lost_note"]
 
 EXIT_DATA = 2
 """A rank read a data file that changed under it: a data fault, like a configuration error."""
 _DATA_SIGNALS = (signal.SIGBUS, signal.SIGSEGV)
+_NOTE = "lost_rank{}.txt"
+
+
+def leave_note(folder: str, rank: int, line: str) -> None:
+    """A rank's line about a lost peer, for its launcher's summary (``folder``: ``TE_NPU_MAPPED_FILES``)."""
+    path = os.path.join(folder, _NOTE.format(rank))
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(line.strip())
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the launcher's folder is gone: the launcher is too
+
+
+def lost_note(folder: str | None) -> str | None:
+    """The lowest rank's lost-peer line left in ``folder``, or None."""
+    if not folder or not os.path.isdir(folder):
+        return None
+    notes = sorted((int(name[len("lost_rank"):-len(".txt")]), name) for name in os.listdir(folder)
+                   if name.startswith("lost_rank") and name.endswith(".txt") and name[9:-4].isdigit())
+    for _, name in notes:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                line = f.read().strip()
+        except OSError:
+            continue
+        if line:
+            return line
+    return None
 
 
 def exit_code_of(exitcode: int) -> int:
@@ -50,6 +86,9 @@ def summarize(failures: Mapping[int, Any], mapped_dir: str | None) -> tuple[str 
                         f"(truncated or replaced while the job ran; a data fault, exit {EXIT_DATA}){others}"), EXIT_DATA
             return f"launch: the job failed: {what} (no memory-mapped file of it changed size){others}", code
         return f"launch: the job failed: {what}, the first rank to fail{others}", code
+    lost = lost_note(mapped_dir)
+    if lost is not None:  # another node is gone: this node's ranks named it
+        return f"launch: {lost}", code
     if code == 2:
         return None, code  # a ConfigError: the worker's one line says it all
     return (f"launch: the job failed with exit code {code} (rank {rank}, pid {failure.pid}, failed first; its report is "
