@@ -4,7 +4,8 @@ torchrun's own choice of "first failure" is the smallest timestamp, in whole sec
 smallest rank: after ``kill -9`` of rank 1 it names rank 0, whose collective then failed with
 "Connection closed by peer" in the same second. Here a rank killed by a signal comes first (a
 signal comes from outside the job; the others' errors are its consequence), then the earliest,
-then the lowest rank. A rank killed by SIGBUS / SIGSEGV is diagnosed from the files it had
+then the lowest rank -- except the ranks torchrun stopped itself after the first failure (its
+SIGTERM to a rank still starting, its SIGKILL 30 s later to a stopped one), which come last. A rank killed by SIGBUS / SIGSEGV is diagnosed from the files it had
 memory-mapped (``te_npu.training.mapped_files``): the data file whose size changed under it is
 named, and the job's exit code is 2 (a data fault), never only the signal.
 
@@ -64,9 +65,28 @@ def exit_code_of(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
+_TORCHRUN_KILL_AFTER_S = 15
+"""A rank's SIGKILL this long after the first rank exited is torchrun's (it SIGKILLs a rank that
+has not stopped 30 s after its SIGTERM: a stopped or blocked rank), not the job's cause."""
+
+
 def first_failure(failures: Mapping[int, Any]) -> int:
-    """The rank that failed first among torchrun's ``{rank: ProcessFailure}`` (see the module doc)."""
-    return min(failures, key=lambda r: (failures[r].exitcode >= 0, failures[r].timestamp, r))
+    """The rank that failed first among torchrun's ``{rank: ProcessFailure}`` (see the module doc).
+
+    torchrun's failures include the ranks it stopped itself once one had failed (SIGTERM, then
+    SIGKILL after its 30 s grace): a death by SIGTERM (a running rank's handler turns an outside
+    SIGTERM into exit 143, so only torchrun's stop of a rank still starting dies of it) and a
+    SIGKILL long after the first exit are consequences, not causes."""
+    exits = [f.timestamp for f in failures.values() if f.exitcode >= 0]
+
+    def tier(f) -> int:  # 0: killed from outside (the cause), 1: exited, 2: stopped by torchrun
+        if f.exitcode >= 0:
+            return 1
+        if exits and (-f.exitcode == signal.SIGTERM or f.timestamp > min(exits) + _TORCHRUN_KILL_AFTER_S):
+            return 2
+        return 0
+
+    return min(failures, key=lambda r: (tier(failures[r]), failures[r].timestamp, r))
 
 
 def summarize(failures: Mapping[int, Any], mapped_dir: str | None) -> tuple[str | None, int]:

@@ -63,3 +63,18 @@ def test_launch_report_a_lost_node_is_the_line_its_surviving_ranks_left(tmp_path
     killed = {0: _failure(4, 10), 1: _failure(-signal.SIGKILL, 11)}  # a rank of this node was killed: that first
     assert summarize(killed, str(tmp_path))[0].startswith("launch: the job failed: rank 1 (pid 11) was killed by SIGKILL")
     assert summarize(failures, str(tmp_path / "none"))[0].startswith("launch: the job failed with exit code 4")
+
+
+def test_launch_report_ranks_torchrun_stopped_itself_are_not_the_cause():
+    """torchrun's failures include the ranks it ended after the first failure: SIGTERM to a rank
+    still starting (a config error on its peer), SIGKILL 30 s later to a stopped one (a stall)."""
+    config = {1: _failure(2, 11, timestamp=100), 0: _failure(-signal.SIGTERM, 10, timestamp=100)}
+    assert first_failure(config) == 1 and summarize(config, None) == (None, 2)
+    stall = {0: _failure(4, 10, timestamp=100), 1: _failure(-signal.SIGKILL, 11, timestamp=131)}
+    line, code = summarize(stall, None)
+    assert first_failure(stall) == 0 and code == 4, line
+    assert line.endswith("then rank 1 (pid 11) was killed by SIGKILL"), line
+    killed = {0: _failure(4, 10, timestamp=101), 1: _failure(-signal.SIGKILL, 11, timestamp=100)}  # kill -9 of rank 1
+    assert first_failure(killed) == 1 and summarize(killed, None)[1] == 128 + signal.SIGKILL
+    alone = {0: _failure(-signal.SIGTERM, 10)}  # nothing else failed: the signal is the cause
+    assert summarize(alone, None)[1] == 128 + signal.SIGTERM
