@@ -45,8 +45,8 @@ Lost peers (``lost_peers``): a collective that broke because a peer's connection
 says so first (``mark_failing``: its record carries ``failed``), so the ranks whose collectives
 broke tell a peer that failed (it reports itself) from one that is gone: killed, or its node lost
 (a node's launcher killed, its host down). A peer in this rank's pid namespace (same host) is gone
-when its pid is; another host's peer when its heartbeat does not change for one period and a
-second; a store that no longer answers means node 0 is gone (torchrun's agent there hosts it).
+when its pid is (checked for up to 2 s: a lost node's ranks die within a moment of each other);
+another host's peer when its heartbeat does not change for one period and a second; a store that no longer answers means node 0 is gone (torchrun's agent there hosts it).
 The line names the node when all its ranks are gone (``node 1 (ranks 2-3, host h) lost: ...``),
 else the ranks; each record carries its node (torchrun's ``GROUP_RANK``).
 
@@ -68,6 +68,8 @@ __all__ = ["StallWatch", "EXIT_STALLED", "period_for", "waited_for", "rank_range
 EXIT_STALLED = 4
 _KEY = "te_npu/heartbeat/{}"
 _MAX_PERIOD_S = 5.0
+_LOCAL_GRACE_S = 2.0
+"""Seconds a live peer on this host may take to end or to mark itself failing (``lost_peers``)."""
 _COLLECTIVE_CODE = "/torch/distributed/"
 """A main thread whose innermost Python frame lies under this path waits in a collective."""
 
@@ -254,25 +256,34 @@ class StallWatch:
             self._store_gone = True
             return self._lost_line(self._node_ranks(0) - {self.rank}, "the job's store (hosted by node 0's launcher) "
                                    "no longer answers", node=0)
-        gone, undecided = set(), {}
+        gone, local, undecided = set(), set(), {}
         for peer in self._changed:
             record = self._peers.get(peer)
-            if record and (record.get("done") or record.get("failed")):
-                continue  # left on purpose, or on its own error path
             if record and self._pidns is not None and record.get("pidns") == self._pidns:
-                if not _pid_alive(record.get("pid", -1)):
+                local.add(peer)  # decided by its pid
+            else:
+                undecided[peer] = record.get("beat") if record else None
+        start = time.monotonic()
+        while True:
+            for peer in list(local):
+                record = self._peers.get(peer) or {}
+                if record.get("done") or record.get("failed"):
+                    local.discard(peer)  # left on purpose, or on its own error path
+                elif not _pid_alive(record.get("pid", -1)):
+                    local.discard(peer)
                     gone.add(peer)
-                continue
-            undecided[peer] = record.get("beat") if record else None
-        end = time.monotonic() + wait_s
-        while undecided and time.monotonic() < end:
-            time.sleep(min(0.2, wait_s))
-            with contextlib.suppress(Exception):
-                self._read_peers()
             for peer in list(undecided):
                 record = self._peers.get(peer) or {}
                 if record.get("beat") != undecided[peer] or record.get("done") or record.get("failed"):
                     del undecided[peer]
+            waited = time.monotonic() - start
+            # a live local peer gets a short grace (the ranks of a lost node die within a moment of
+            # each other; a live peer whose collective broke too marks itself failing at once)
+            if not (undecided and waited < wait_s) and not (local and waited < min(_LOCAL_GRACE_S, wait_s)):
+                break
+            time.sleep(min(0.2, wait_s))
+            with contextlib.suppress(Exception):
+                self._read_peers()
         hows = []
         if gone:
             hows.append(f"the process{'es' if len(gone) > 1 else ''} of {_ranks(gone)} ended")

@@ -31,7 +31,7 @@ and samples, one loss all-reduce over the same 4 ranks).
   4 devices, not over the 2-rank shard group);
 - fresh launchers resume its step-3 checkpoint and redo steps 4-6 bitwise;
 - SIGKILL of one node's launcher (its process group) after training started ends the other
-  launcher in a few seconds (1-3 s measured; the workers of the killed node die with their
+  launcher in a few seconds (0.8-3.2 s measured; the workers of the killed node die with their
   launcher, PR_SET_PDEATHSIG, so their connections close and no timeout is waited for) with one
   ``launch: node N (ranks ...) lost: ...`` line and exit 4; node 0's loss (the store's host) is
   named by node 1 the same way.

@@ -254,3 +254,21 @@ def test_lost_peers_a_store_that_no_longer_answers_is_node_0_lost():
         server.kill()
     assert line.startswith("node 0 (ranks 0-1, host head) lost: the job's store (hosted by node 0's launcher) no "
                            "longer answers; rank 2 was "), line
+
+
+def test_lost_peers_waits_a_moment_for_the_rest_of_a_dying_node():
+    """A lost node's ranks end a moment apart: the one still ending is named with the one gone."""
+    store = HashStore()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.8)"])
+    zero = _watch(store, 0, 3)
+    here = {"host": socket.gethostname(), "pidns": zero._pidns, "node": 1}
+    _put(store, 1, pid=int(dead.stdout), **here)
+    _put(store, 2, pid=dying.pid, **here)
+    try:
+        line = zero.lost_peers(wait_s=30)
+    finally:
+        zero.stop()
+        dying.wait()
+    assert line.startswith(f"node 1 (ranks 1-2, host {socket.gethostname()}) lost: connections closed and the "
+                           "processes of ranks 1-2 ended; "), line
