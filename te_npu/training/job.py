@@ -22,11 +22,18 @@
   process group's timeout, ``training.collective_timeout_s``; ``is_collective_timeout``) is
   reported the same way, exit 4: the watch's line naming the rank the others waited for (a
   silent one, one behind, or one alive but busy outside the collective).
+- a lost peer: a collective that broke on a closed connection ("Connection closed / reset by
+  peer") whose peer did not fail on its own (``StallWatch.lost_peers``: its process ended, or
+  its node is gone -- a killed launcher, a host down) is exit 4 too, one line naming the node
+  (``node 1 (ranks 2-3, host h) lost: ...``) or the ranks. Under ``te_npu.training.launch`` the
+  ranks leave that line to their launcher (``launch_report.leave_note``), which prints it once
+  per surviving node as its summary; under a plain torchrun the first rank to fail prints it.
 - a full disk (``te_npu.distributed.disk_space.DiskFullError``) is one line too, without a
   traceback: the folder, the bytes needed, what is left.
 
 Exit codes: 0 done, 1 error, 2 configuration error (before anything was built), 3 stopped
-by a divergence rule, 4 a stalled rank ended the job, 128 + signal number when interrupted.
+by a divergence rule, 4 a stalled or lost rank (or node) ended the job, 128 + signal number when
+interrupted.
 
 This module owns the job's environment reads (``launch_env``) and its only private torch
 touch (``_job_store``).
@@ -51,7 +58,7 @@ import torch.distributed as dist
 from te_npu.compat import default_store
 from te_npu.distributed.disk_space import DiskFullError
 from te_npu.errors import ConfigError, exception_chain
-from te_npu.training import mapped_files
+from te_npu.training import launch_report, mapped_files
 from te_npu.training.divergence import TrainingDiverged
 from te_npu.training.stall import EXIT_STALLED, StallWatch
 
@@ -94,12 +101,17 @@ class LaunchEnv:
     local_world_size: int
     under_torchrun: bool
     mapped_files_dir: str | None = None
-    """Where the launcher asks ranks to record their memory-mapped files (``te_npu.training.mapped_files``)."""
+    """Where the launcher asks ranks to record their memory-mapped files (``te_npu.training.mapped_files``)
+    and leave the line of a lost node (``launch_report.leave_note``)."""
+    node_rank: int = 0
+    """This rank's node (torchrun's ``GROUP_RANK``: the launcher's ``--node_rank``)."""
+    nnodes: int = 1
+    """Nodes of the job (torchrun's ``GROUP_WORLD_SIZE``)."""
 
 
 def launch_env() -> LaunchEnv:
-    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID``
-    / ``TE_NPU_MAPPED_FILES``."""
+    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` /
+    ``GROUP_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID`` / ``TE_NPU_MAPPED_FILES``."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     return LaunchEnv(
@@ -109,6 +121,8 @@ def launch_env() -> LaunchEnv:
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
         under_torchrun="TORCHELASTIC_RUN_ID" in env,
         mapped_files_dir=env.get(mapped_files.ENV) or None,
+        node_rank=int(env.get("GROUP_RANK", "0")),
+        nnodes=int(env.get("GROUP_WORLD_SIZE", "1")),
     )
 
 
@@ -209,10 +223,15 @@ def run_job(body: Callable[[StopRequest], None], *, stderr=None) -> int:
         # (half) destroyed -- an interruption inside close(): an interpreter that finalizes with a
         # live gloo group aborts ("terminate called without an active exception")
         multi_rank = (dist.is_initialized() and dist.get_world_size() > 1) or stop.watch.started
+        if multi_rank:
+            stop.watch.mark_failing()  # a peer whose collective breaks on our connection: we report ourselves
+        lost = stop.watch.lost_peers() if multi_rank and code == EXIT_ERROR and _lost_a_peer(exc) else None
+        if lost is not None:  # a peer's process ended without failing: killed, or its node is gone
+            exc, code = _Lost(lost), EXIT_STALLED
         stall = stop.watch.diagnose(timed_out=is_collective_timeout(exc)) if multi_rank and code == EXIT_ERROR else None
         if stall is not None:  # a peer went silent, or a collective timed out waiting for a rank: name it
             exc, code = _Stalled(stall), EXIT_STALLED
-        code = _report(exc, code, env, stderr, multi_rank)
+        code = _report(exc, code, env, stderr, multi_rank, store_answers=not multi_rank or stop.watch.store_answers())
         if multi_rank:
             _abort_process_group()
             _flush(stderr)
@@ -248,15 +267,21 @@ def _leave(code: int, stderr) -> None:
 # ---- reporting ---------------------------------------------------------------------------------
 
 
-def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: bool) -> int:
-    """Print ``exc`` if this rank is the job's first failure; return the job's exit code."""
+def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: bool, store_answers: bool = True) -> int:
+    """Print ``exc`` if this rank is the job's first failure; return the job's exit code
+    (``store_answers`` False: the job's store is gone, no rank can be asked who failed first)."""
     rank = dist.get_rank() if dist.is_initialized() else env.rank
     if multi_rank:
-        first, code = _claim_first_failure(rank, code)
+        first, code = _claim_first_failure(rank, code) if store_answers else (None, code)
+        if isinstance(exc, _Lost) and env.mapped_files_dir and (first is not False or code == EXIT_STALLED):
+            # every surviving rank tells its launcher, which prints the line once per node
+            launch_report.leave_note(env.mapped_files_dir, rank, str(exc))
+            return code
         if first is False:
             return code  # a peer failed first and reported; our error is the consequence
         if first is None:  # the store is gone: say it in one line, without a traceback
-            print(f"[rank {rank}] {type(exc).__name__}: {_first_line(exc)}", file=stderr, flush=True)
+            what = str(exc) if isinstance(exc, (_Lost, _Stalled)) else f"{type(exc).__name__}: {_first_line(exc)}"
+            print(f"[rank {rank}] {what}", file=stderr, flush=True)
             return code
     elif env.local_rank != 0 and isinstance(exc, ConfigError):
         return code  # before the process group: every rank checks the same things; one line per node
@@ -268,8 +293,10 @@ def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: b
     elif isinstance(exc, (JobInterrupted, KeyboardInterrupt)):
         print(f"{where}{exc or 'interrupted by SIGINT'}; stopped without saving (the last complete "
               "checkpoint and 'latest' are untouched)", file=stderr, flush=True)
-    elif isinstance(exc, (DiskFullError, _Stalled)):
-        print(f"{where}{exc}" if isinstance(exc, DiskFullError) else str(exc), file=stderr, flush=True)
+    elif isinstance(exc, (DiskFullError, _Lost)):
+        print(f"{where}{exc}", file=stderr, flush=True)
+    elif isinstance(exc, _Stalled):
+        print(str(exc), file=stderr, flush=True)
     elif isinstance(exc, SystemExit):
         pass  # argparse and friends have printed their message already
     elif multi_rank and _lost_a_peer(exc):  # a consequence: the peer that died is named by the launcher
@@ -286,6 +313,10 @@ def _report(exc: BaseException, code: int, env: LaunchEnv, stderr, multi_rank: b
 
 class _Stalled(Exception):
     """The stall watch's verdict, reported as the job's failure (its message is the whole line)."""
+
+
+class _Lost(Exception):
+    """The lost peers' line (``StallWatch.lost_peers``), reported as the job's failure."""
 
 
 def _claim_first_failure(rank: int, code: int) -> tuple[bool | None, int]:

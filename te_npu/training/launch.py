@@ -7,11 +7,21 @@ prints one line instead of torchrun's traceback and failure table (``launch_repo
 rank to fail and how -- a rank killed by a signal before the ranks whose collectives then broke;
 a SIGBUS / SIGSEGV named with the memory-mapped data file that changed under it, exit 2), and
 exits with the first failure's exit code (torchrun itself always exits 1): 2 still means a configuration error,
-3 a diverged run, 4 a stalled rank (named by the rank that saw it), 128 + N a signal. The failing rank has printed its own report already
+3 a diverged run, 4 a stalled rank (named by the rank that saw it) or a lost node, 128 + N a signal. The failing rank has printed its own report already
 (``te_npu.training.job``); for a configuration error that one line is all the job prints
 (torchrun's per-process "failed" / "closing signal" log lines are muted; the summary line
 replaces them). A signal to the launcher (Ctrl-C, SIGTERM) is forwarded to the
 workers by torchrun; the launcher then exits with 128 + that signal.
+
+Multi-node (``--nnodes N --node_rank K --master_addr A --master_port P``, torchrun's static
+rendezvous: node 0's launcher hosts the job's store at ``A:P``; every node runs its own launcher
+with the same arguments but its ``--node_rank``). When another node is lost (its launcher killed,
+its host down) this node's ranks see their collectives break, name the lost node from their
+heartbeats (``te_npu.training.stall``) and leave that line here; this launcher prints it as its
+one-line summary and exits 4: ``launch: node 1 (ranks 2-3, host h) lost: connections closed and
+the processes of ranks 2-3 ended; rank 0 was in iteration 4, forward/backward; ending the job
+(exit 4)`` (node 0 lost: "the job's store ... no longer answers"). A node that hangs without
+closing its connections is the stall watch's (``training.collective_timeout_s``), exit 4 too.
 """
 from __future__ import annotations
 

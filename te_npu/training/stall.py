@@ -40,6 +40,16 @@ Warm-up: the trainer gives the first step of a process and its first evaluation
 ``training.first_step_timeout_s`` (``phase(..., limit_s=...)``), and raises the process group's
 timeout to match for that phase (a compile, a graph build, communicator setup).
 
+Lost peers (``lost_peers``): a collective that broke because a peer's connection closed (gloo's
+"Connection closed / reset by peer") means a peer's process ended. A peer on its own error path
+says so first (``mark_failing``: its record carries ``failed``), so the ranks whose collectives
+broke tell a peer that failed (it reports itself) from one that is gone: killed, or its node lost
+(a node's launcher killed, its host down). A peer in this rank's pid namespace (same host) is gone
+when its pid is (checked for up to 2 s: a lost node's ranks die within a moment of each other);
+another host's peer when its heartbeat does not change for one period and a second; a store that no longer answers means node 0 is gone (torchrun's agent there hosts it).
+The line names the node when all its ranks are gone (``node 1 (ranks 2-3, host h) lost: ...``),
+else the ranks; each record carries its node (torchrun's ``GROUP_RANK``).
+
 Nothing here runs without a process group of more than one rank.
 """
 from __future__ import annotations
@@ -53,11 +63,13 @@ import threading
 import time
 from typing import Callable, Iterator
 
-__all__ = ["StallWatch", "EXIT_STALLED", "period_for", "waited_for"]
+__all__ = ["StallWatch", "EXIT_STALLED", "period_for", "waited_for", "rank_ranges"]
 
 EXIT_STALLED = 4
 _KEY = "te_npu/heartbeat/{}"
 _MAX_PERIOD_S = 5.0
+_LOCAL_GRACE_S = 2.0
+"""Seconds a live peer on this host may take to end or to mark itself failing (``lost_peers``)."""
 _COLLECTIVE_CODE = "/torch/distributed/"
 """A main thread whose innermost Python frame lies under this path waits in a collective."""
 
@@ -65,6 +77,60 @@ _COLLECTIVE_CODE = "/torch/distributed/"
 def period_for(timeout_s: float) -> float:
     """Seconds between heartbeats: a fifth of the timeout, at most 5 s, at least 0.2 s."""
     return max(0.2, min(_MAX_PERIOD_S, timeout_s / 5))
+
+
+def rank_ranges(ranks) -> str:
+    """``[2, 3, 5]`` -> ``"2-3, 5"``: ranks as runs of consecutive numbers."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
+
+
+def _ranks(ranks) -> str:
+    return f"rank{'s' if len(set(ranks)) > 1 else ''} {rank_ranges(ranks)}"
+
+
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (boot id and namespace inode): peers that share it can be
+    checked by pid; None where there is no ``/proc``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    """``pid`` is a live process here (a zombie, killed but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def _tcp_address(store) -> tuple[str, int] | None:
+    """The host and port of the TCP store under ``store``'s prefixes, None for another kind."""
+    while store is not None and not (hasattr(store, "host") and hasattr(store, "port")):
+        store = getattr(store, "underlying_store", None)
+    return (store.host, int(store.port)) if store is not None else None
+
+
+def _answers(address: tuple[str, int] | None, timeout_s: float = 2.0) -> bool:
+    """The TCP store at ``address`` still accepts connections (a plain socket: a dead store's
+    client calls print a C++ warning with a stack trace each)."""
+    if address is None:
+        return True
+    try:
+        with socket.create_connection(address, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def waited_for(records: dict[int, dict]) -> list[int]:
@@ -91,7 +157,10 @@ class StallWatch:
     def __init__(self, on_stall: Callable[[str], None] | None = None) -> None:
         self.on_stall = on_stall
         self.timeout_s = 0.0
-        self.rank, self.world = 0, 1
+        self.rank, self.world, self.node = 0, 1, 0
+        self._failing = False
+        self._store_gone = False
+        self._pidns = _pid_namespace()
         self._phase: tuple[str, int, bool, float | None] | None = None  # (name, step, bounded, limit_s)
         self._since = time.monotonic()
         self._seq = 0  # phases entered plus phases left
@@ -128,11 +197,13 @@ class StallWatch:
         """The watch ran: this process is (or was) a rank of a multi-rank process group."""
         return self._thread is not None
 
-    def start(self, timeout_s: float, *, store, rank: int, world: int) -> None:
-        """Start heartbeating through ``store`` (the process group's) as ``rank`` of ``world``."""
+    def start(self, timeout_s: float, *, store, rank: int, world: int, node: int = 0) -> None:
+        """Start heartbeating through ``store`` (the process group's) as ``rank`` of ``world``, on
+        node ``node`` (torchrun's ``GROUP_RANK``)."""
         if self.on_stall is None or world < 2 or self._thread is not None:
             return
         self.timeout_s, self.rank, self.world, self._store = float(timeout_s), rank, world, store
+        self.node = int(node)
         now = time.monotonic()
         self._changed = {p: now for p in range(world) if p != rank}
         with contextlib.suppress(Exception):  # who this rank is, from the start
@@ -149,6 +220,101 @@ class StallWatch:
         self._thread.join()  # its store calls are bounded by the store's own timeout
         with contextlib.suppress(Exception):  # the store may be gone with the job
             self._store.set(_KEY.format(self.rank), json.dumps({**self._record(), "done": True}))
+
+    def mark_failing(self) -> None:
+        """This rank is on its error path (it reports itself): a peer whose collective broke on
+        its closed connection does not count it as lost (``lost_peers``)."""
+        if self._thread is None:
+            return
+        self._failing = True  # the watch thread beats no more: this record is the last
+        if self.store_answers():
+            with contextlib.suppress(Exception):
+                self._store.set(_KEY.format(self.rank), json.dumps(self._record()))
+
+    def store_answers(self) -> bool:
+        """The job's store still accepts connections (checked once on the error path: after a
+        lost node 0, torchrun's store is gone with its agent, and every call to it would print a
+        C++ warning with a stack trace); True without a watch."""
+        if self._thread is None:
+            return True
+        if not self._store_gone and not _answers(_tcp_address(self._store)):
+            self._store_gone = True
+        return not self._store_gone
+
+    def lost_peers(self, *, wait_s: float | None = None) -> str | None:
+        """One line naming the peers that are gone (module doc, "Lost peers"), or None when every
+        peer is alive or failed on its own. ``wait_s``: how long another host's peer may go without
+        a heartbeat before it counts as gone (default: one period and a second)."""
+        if self._thread is None:
+            return None
+        wait_s = period_for(self.timeout_s) + 1.0 if wait_s is None else wait_s
+        try:
+            if not self.store_answers():
+                raise ConnectionError("the job's store does not answer")
+            self._read_peers()
+        except Exception:  # noqa: BLE001 - torchrun's store lives in node 0's agent: that node is gone
+            self._store_gone = True
+            return self._lost_line(self._node_ranks(0) - {self.rank}, "the job's store (hosted by node 0's launcher) "
+                                   "no longer answers", node=0)
+        gone, local, undecided = set(), set(), {}
+        for peer in self._changed:
+            record = self._peers.get(peer)
+            if record and self._pidns is not None and record.get("pidns") == self._pidns:
+                local.add(peer)  # decided by its pid
+            else:
+                undecided[peer] = record.get("beat") if record else None
+        start = time.monotonic()
+        while True:
+            for peer in list(local):
+                record = self._peers.get(peer) or {}
+                if record.get("done") or record.get("failed"):
+                    local.discard(peer)  # left on purpose, or on its own error path
+                elif not _pid_alive(record.get("pid", -1)):
+                    local.discard(peer)
+                    gone.add(peer)
+            for peer in list(undecided):
+                record = self._peers.get(peer) or {}
+                if record.get("beat") != undecided[peer] or record.get("done") or record.get("failed"):
+                    del undecided[peer]
+            waited = time.monotonic() - start
+            # a live local peer gets a short grace (the ranks of a lost node die within a moment of
+            # each other; a live peer whose collective broke too marks itself failing at once)
+            if not (undecided and waited < wait_s) and not (local and waited < min(_LOCAL_GRACE_S, wait_s)):
+                break
+            time.sleep(min(0.2, wait_s))
+            with contextlib.suppress(Exception):
+                self._read_peers()
+        hows = []
+        if gone:
+            hows.append(f"the process{'es' if len(gone) > 1 else ''} of {_ranks(gone)} ended")
+        if undecided:
+            hows.append(f"{_ranks(undecided)} sent no heartbeat for {wait_s:.1f} s")
+        gone |= set(undecided)
+        return self._lost_line(gone, f"connections closed and {' and '.join(hows)}") if gone else None
+
+    def _node_ranks(self, node: int) -> set[int]:
+        """The ranks that reported ``node`` as theirs (this rank included)."""
+        ranks = {p for p, r in list(self._peers.items()) if r.get("node", 0) == node}
+        return ranks | ({self.rank} if self.node == node else set())
+
+    def _lost_line(self, gone: set[int], how: str, node: int | None = None) -> str:
+        """``node N (ranks a-b, host h) lost: ...`` when every rank of a node is gone, else the ranks."""
+        nodes = sorted({self._peers.get(p, {}).get("node", 0) for p in gone} | ({node} if node is not None else set()))
+        parts = []
+        for n in nodes:
+            ranks = sorted(p for p in gone if self._peers.get(p, {}).get("node", 0) == n)
+            hosts = sorted({self._peers[p]["host"] for p in ranks if self._peers.get(p, {}).get("host")})
+            host = f", host {', '.join(hosts)}" if hosts else ""
+            if n != self.node and (set(ranks) >= self._node_ranks(n) - {self.rank} or node == n):
+                parts.append(f"node {n} ({_ranks(ranks) if ranks else 'ranks unknown'}{host})")
+            else:
+                pids = ", ".join(f"pid {self._peers[p].get('pid')}" for p in ranks if p in self._peers)
+                parts.append(f"{_ranks(ranks)} (node {n}{host}"
+                             f"{', ' + pids if pids else ''})")
+        if self._failed is not None:  # where this rank was when its collective broke
+            self._phase, self._since, self._seq = self._failed
+        return (f"{' and '.join(parts)} lost: {how}; rank {self.rank} was {self._doing()}; ending the job "
+                f"(exit {EXIT_STALLED})")
 
     def diagnose(self, *, timed_out: bool = False) -> str | None:
         """The stall line for the job's error path, or None: a peer that has missed 2 heartbeats
@@ -173,6 +339,8 @@ class StallWatch:
     def _run(self) -> None:
         period = period_for(self.timeout_s)
         while not self._stopped.wait(period):
+            if self._failing:
+                continue  # on the error path: mark_failing wrote the last record
             self._beat += 1
             try:
                 self._store.set(_KEY.format(self.rank), json.dumps(self._record()))
@@ -187,9 +355,9 @@ class StallWatch:
     def _record(self) -> dict:
         name, step, _, _ = self._phase or ("between steps", -1, False, None)
         where, waiting = self._where()
-        return {"beat": self._beat, "pid": os.getpid(), "host": socket.gethostname(), "step": step, "phase": name,
-                "phase_s": round(time.monotonic() - self._since, 1), "seq": self._seq, "where": where,
-                "waiting": waiting}
+        return {"beat": self._beat, "pid": os.getpid(), "host": socket.gethostname(), "node": self.node,
+                "pidns": self._pidns, "step": step, "phase": name, "phase_s": round(time.monotonic() - self._since, 1),
+                "seq": self._seq, "where": where, "waiting": waiting, "failed": self._failing}
 
     def _where(self) -> tuple[str, bool]:
         """The main thread's innermost Python frame (``file:line function``), and whether it

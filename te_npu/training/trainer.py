@@ -405,7 +405,8 @@ class Trainer:
         # a stalled peer ends the job in one line (te_npu.training.stall); a fake process group
         # (the capacity estimate: one process playing one rank) has no peers to watch
         if self.world_size > 1 and dist.get_backend() != "fake":
-            self._watch.start(t.collective_timeout_s, store=default_store(), rank=self.rank, world=self.world_size)
+            self._watch.start(t.collective_timeout_s, store=default_store(), rank=self.rank, world=self.world_size,
+                              node=env.node_rank)
         local_rank = env.local_rank
         if device_type == "cpu":
             self.device = torch.device("cpu")

@@ -162,3 +162,37 @@ def test_job_collective_timeouts_are_recognised_through_the_chain(message, timed
             raise ValueError("wrapped") from inner
     except ValueError as outer:
         assert is_collective_timeout(outer) is timed_out
+
+
+def test_job_a_peer_gone_without_failing_is_left_to_the_launcher_in_one_line_exit_4(tmp_path):
+    """Issue 29: a collective broke on a closed connection and the peer's process is gone (its
+    node lost): exit 4 (EXIT_STALLED), the line left for the launcher, nothing printed."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    code = (
+        "import json, sys\n"
+        "from torch.distributed import HashStore\n"
+        "from te_npu.training.job import run_job\n"
+        "def body(stop):\n"
+        "    store = HashStore()\n"
+        "    stop.watch.start(600, store=store, rank=0, world=2)\n"
+        f"    store.set('te_npu/heartbeat/1', json.dumps({{'beat': 3, 'pid': {int(dead.stdout)}, 'host': 'h', 'node': 1, "
+        "'pidns': stop.watch._pidns}))\n"
+        "    raise RuntimeError('[pair.cc:534] Connection closed by peer [127.0.0.1]:1234')\n"
+        "sys.exit(run_job(body))\n"
+    )
+    notes = tmp_path / "launcher"
+    notes.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env["TE_NPU_MAPPED_FILES"] = str(notes)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=str(tmp_path))
+    assert done.returncode == 4 and done.stderr == "", done.stderr
+    line = (notes / "lost_rank0.txt").read_text()
+    assert line.startswith("node 1 (rank 1, host h) lost: connections closed and the process of rank 1 ended; "), line
+    del env["TE_NPU_MAPPED_FILES"]  # a plain torchrun: the rank prints the line itself
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=str(tmp_path))
+    assert done.returncode == 4 and done.stderr.splitlines() == [f"[rank 0] {line}"], done.stderr

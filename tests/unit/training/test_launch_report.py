@@ -49,3 +49,32 @@ def test_launch_report_sigbus_names_the_memory_mapped_file_that_shrank(tmp_path)
 def test_launch_report_sigsegv_without_a_changed_file_says_so(tmp_path):
     line, code = summarize({0: _failure(-signal.SIGSEGV, 7)}, str(tmp_path))
     assert code == 128 + signal.SIGSEGV and "(no memory-mapped file of it changed size)" in line, line
+
+
+def test_launch_report_a_lost_node_is_the_line_its_surviving_ranks_left(tmp_path):
+    """Issue 29: another node's launcher killed; this node's ranks exit 4 after naming it."""
+    from te_npu.training.launch_report import leave_note
+
+    line = "node 1 (ranks 2-3, host h) lost: connections closed and the processes of ranks 2-3 ended; ..."
+    leave_note(str(tmp_path), 1, line + " (rank 1's view)")
+    leave_note(str(tmp_path), 0, line)
+    failures = {0: _failure(4, 10), 1: _failure(4, 11)}
+    assert summarize(failures, str(tmp_path)) == (f"launch: {line}", 4)  # the lowest rank's line
+    killed = {0: _failure(4, 10), 1: _failure(-signal.SIGKILL, 11)}  # a rank of this node was killed: that first
+    assert summarize(killed, str(tmp_path))[0].startswith("launch: the job failed: rank 1 (pid 11) was killed by SIGKILL")
+    assert summarize(failures, str(tmp_path / "none"))[0].startswith("launch: the job failed with exit code 4")
+
+
+def test_launch_report_ranks_torchrun_stopped_itself_are_not_the_cause():
+    """torchrun's failures include the ranks it ended after the first failure: SIGTERM to a rank
+    still starting (a config error on its peer), SIGKILL 30 s later to a stopped one (a stall)."""
+    config = {1: _failure(2, 11, timestamp=100), 0: _failure(-signal.SIGTERM, 10, timestamp=100)}
+    assert first_failure(config) == 1 and summarize(config, None) == (None, 2)
+    stall = {0: _failure(4, 10, timestamp=100), 1: _failure(-signal.SIGKILL, 11, timestamp=131)}
+    line, code = summarize(stall, None)
+    assert first_failure(stall) == 0 and code == 4, line
+    assert line.endswith("then rank 1 (pid 11) was killed by SIGKILL"), line
+    killed = {0: _failure(4, 10, timestamp=101), 1: _failure(-signal.SIGKILL, 11, timestamp=100)}  # kill -9 of rank 1
+    assert first_failure(killed) == 1 and summarize(killed, None)[1] == 128 + signal.SIGKILL
+    alone = {0: _failure(-signal.SIGTERM, 10)}  # nothing else failed: the signal is the cause
+    assert summarize(alone, None)[1] == 128 + signal.SIGTERM

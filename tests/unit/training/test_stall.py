@@ -148,3 +148,127 @@ def test_stall_watch_names_a_peer_stopped_before_its_first_beat_by_pid():
         zero.stop()
     assert lines[0].startswith(f"[rank 0/2] stalled: rank 1 (pid {os.getpid()}, host "), lines[0]
     assert "never reported" not in lines[0]
+
+
+# ---- lost peers: a collective broke on a closed connection (issue 29: a lost node) ------------------
+
+import json  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from te_npu.training.stall import rank_ranges  # noqa: E402
+
+
+def _put(store, rank, **record):
+    store.set(f"te_npu/heartbeat/{rank}", json.dumps({"beat": 1, "pid": 1, "host": "elsewhere", "node": 1,
+                                                      "pidns": "elsewhere", "step": 4, "phase": "forward/backward",
+                                                      **record}))
+
+
+def _watch(store, rank, world, node=0):
+    watch = StallWatch(on_stall=print)
+    watch.start(TIMEOUT, store=store, rank=rank, world=world, node=node)
+    return watch
+
+
+def test_stall_rank_ranges():
+    assert rank_ranges([3, 2, 5, 7, 6]) == "2-3, 5-7" and rank_ranges([4]) == "4"
+
+
+def test_lost_peers_names_a_node_on_another_host_whose_heartbeats_stopped():
+    """Another host's ranks: gone when their heartbeats stop (no pid to check there)."""
+    store = HashStore()
+    _put(store, 2)
+    _put(store, 3)
+    zero = _watch(store, 0, 4)
+    one = _watch(store, 1, 4)
+    try:
+        start = time.monotonic()
+        line = zero.lost_peers(wait_s=0.6)
+        took = time.monotonic() - start
+    finally:
+        zero.stop()
+        one.stop()
+    assert line.startswith("node 1 (ranks 2-3, host elsewhere) lost: connections closed and ranks 2-3 sent no "
+                           "heartbeat for 0.6 s; rank 0 was "), line
+    assert line.endswith("ending the job (exit 4)") and "\n" not in line, line
+    assert 0.6 <= took < 5, took  # rank 1 (this host, alive) was decided at once
+
+
+def test_lost_peers_spares_live_peers_on_other_hosts_and_peers_that_failed_on_their_own():
+    store = HashStore()
+    zero = _watch(store, 0, 3)
+    alive = StallWatch(on_stall=print)
+    alive._pidns = "another host"  # as a peer on another host: only its heartbeat tells it is alive
+    alive.start(TIMEOUT, store=store, rank=1, world=3, node=1)
+    failing = _watch(store, 2, 3, node=1)
+    failing.mark_failing()  # its own error path: it reports itself
+    try:
+        assert zero.lost_peers(wait_s=1.5) is None  # rank 1 beats every 0.4 s
+    finally:
+        for w in (zero, alive, failing):
+            w.stop()
+
+
+def test_lost_peers_on_this_host_are_decided_by_pid_at_once():
+    """A peer in this pid namespace whose process ended (kill -9): gone, named with its pid."""
+    store = HashStore()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    zero = _watch(store, 0, 3)
+    _put(store, 1, pid=os.getpid(), node=0, host=socket.gethostname(), pidns=zero._pidns)  # alive: this process
+    _put(store, 2, pid=pid, node=0, host=socket.gethostname(), pidns=zero._pidns)
+    try:
+        start = time.monotonic()
+        line = zero.lost_peers(wait_s=30)
+        took = time.monotonic() - start
+    finally:
+        zero.stop()
+    assert took < 5, took
+    assert line.startswith(f"rank 2 (node 0, host {socket.gethostname()}, pid {pid}) lost: connections closed and "
+                           "the process of rank 2 ended; rank 0 was "), line
+
+
+def test_lost_peers_a_store_that_no_longer_answers_is_node_0_lost():
+    """torchrun's store lives in node 0's agent: when it is gone, so is node 0."""
+    from torch.distributed import TCPStore
+
+    server = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time\nfrom torch.distributed import TCPStore\n"
+                               "s = TCPStore('127.0.0.1', 0, 2, True, wait_for_workers=False)\n"
+                               "print(s.port, flush=True)\ntime.sleep(600)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        store = TCPStore("127.0.0.1", port, 2, False)
+        _put(store, 0, node=0, host="head")
+        _put(store, 1, node=0, host="head")
+        two = _watch(store, 2, 4, node=1)
+        _wait_for(lambda: 1 in two._peers, "the records of node 0")
+        server.kill()
+        server.wait()
+        two.mark_failing()  # the error path: probes the store once, then leaves it alone
+        line = two.lost_peers(wait_s=0.5)
+        two.stop()
+    finally:
+        server.kill()
+    assert line.startswith("node 0 (ranks 0-1, host head) lost: the job's store (hosted by node 0's launcher) no "
+                           "longer answers; rank 2 was "), line
+
+
+def test_lost_peers_waits_a_moment_for_the_rest_of_a_dying_node():
+    """A lost node's ranks end a moment apart: the one still ending is named with the one gone."""
+    store = HashStore()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.8)"])
+    zero = _watch(store, 0, 3)
+    here = {"host": socket.gethostname(), "pidns": zero._pidns, "node": 1}
+    _put(store, 1, pid=int(dead.stdout), **here)
+    _put(store, 2, pid=dying.pid, **here)
+    try:
+        line = zero.lost_peers(wait_s=30)
+    finally:
+        zero.stop()
+        dying.wait()
+    assert line.startswith(f"node 1 (ranks 1-2, host {socket.gethostname()}) lost: connections closed and the "
+                           "processes of ranks 1-2 ended; "), line
