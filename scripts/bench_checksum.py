@@ -8,7 +8,7 @@ under ``--dir``, then times, from the page cache (the state right after a save):
 * ``crc32 1 thread``: ``checkpoint_manifest.file_entry`` on each file in turn;
 * ``crc32 hash_files``: ``checkpoint_manifest.hash_files`` (what save / load run: up to 4 threads);
 * ``sha256 1 thread``: ``token_checksum.sha256_of`` on each file in turn (what opening a token
-  file whose header records its digest costs: ``te_npu.training.token_checksum``).
+  file whose header records its digest costs: ``te_npu.training.data.token_checksum``).
 
 "ratio" is each row's time over the read baseline's. Medians of ``--repeats`` runs.
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from te_npu.distributed.checkpoint_manifest import file_entry, hash_files
-from te_npu.training.token_checksum import sha256_of
+from te_npu.training.data.token_checksum import sha256_of
 
 _CHUNK = 16 << 20
 

@@ -312,14 +312,14 @@ class DataConfig:
     by sequences; the samples and their order are Megatron's ``GPTDataset`` / ``BlendedDataset``
     ones, indexed in ``cache_dir`` for ``train_samples`` samples (Megatron's ``--train-samples``;
     default: this run's); ``start_sample`` starts a fresh run at that global sample
-    (``te_npu.training.megatron_data``).
+    (``te_npu.training.data.megatron_data``).
 
     ``kind: hf``: a local Hugging Face dataset at ``path`` (parquet / jsonl / arrow / txt / csv
     files, a folder of them, or a ``save_to_disk`` folder), column ``text_key`` of split
     ``hf_split``, tokenized with the local ``tokenizer`` folder once into a cached Megatron
     indexed dataset under ``cache_dir``; validation from ``val_path`` or ``split``
-    (``te_npu.training.hf_data``); ``streaming: true`` tokenizes on the fly instead, in order
-    (``shuffle: false``), validation from ``val_path`` (``te_npu.training.hf_stream``).
+    (``te_npu.training.data.hf_data``); ``streaming: true`` tokenizes on the fly instead, in order
+    (``shuffle: false``), validation from ``val_path`` (``te_npu.training.data.hf_stream``).
     """
 
     kind: str = "stdlib"
