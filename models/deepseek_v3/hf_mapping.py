@@ -54,7 +54,7 @@ _PER_EXPERT_KEY = re.compile(
 
 
 class DeepseekV3HFAdapter:
-    """te_npu's HF adapter (``te_npu.training.hf_weights.HFAdapter``) for one model config."""
+    """te_npu's HF adapter (``te_npu.training.hf.weights.HFAdapter``) for one model config."""
 
     def __init__(self, config: DeepseekV3Config) -> None:
         self.config = config

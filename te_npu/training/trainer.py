@@ -55,16 +55,18 @@ from te_npu.modules import TEModule, assign_fqns
 from te_npu.ops import require_low_precision, use_quant_kernel
 from te_npu.ops.capability import capability_waived
 from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
-from te_npu.training import hf_weights, mapped_files, preflight
+from te_npu.training import mapped_files
+from te_npu.training.hf import weights as hf_weights
+from te_npu.training.guards import preflight
 from te_npu.training.config import TrainConfig
 from te_npu.training.data import DATA_KINDS, build_splits, check_token_ids, make_batcher, validation_batches
-from te_npu.training.divergence import DivergenceGuard, TrainingDiverged
+from te_npu.training.guards.divergence import DivergenceGuard, TrainingDiverged
 from te_npu.training.job import StopRequest, launch_env
-from te_npu.training.stall import StallWatch
-from te_npu.training.metrics_log import MetricsLogger, peak_memory_mb
+from te_npu.training.guards.stall import StallWatch
+from te_npu.training.metrics.log import MetricsLogger, peak_memory_mb
 from te_npu.training.recompute import apply_activation_checkpointing
 from te_npu.training.schedule import lr_at
-from te_npu.training.throughput import default_peak_tflops, step_throughput
+from te_npu.training.metrics.throughput import default_peak_tflops, step_throughput
 
 __all__ = ["TrainTask", "Trainer", "StepRecord"]
 
@@ -103,9 +105,9 @@ class TrainTask(Protocol):
     def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Scalar training loss of one micro-batch."""
 
-    # Optional: ``hf_adapter(cfg) -> te_npu.training.hf_weights.HFAdapter`` lets the run start
+    # Optional: ``hf_adapter(cfg) -> te_npu.training.hf.weights.HFAdapter`` lets the run start
     # from (``checkpoint.initial_load_path``) and export to (``last_save_format: hf``) Hugging Face;
-    # ``flops_per_token(cfg) -> te_npu.training.throughput.ModelFlops`` lets the step line report
+    # ``flops_per_token(cfg) -> te_npu.training.metrics.throughput.ModelFlops`` lets the step line report
     # TFLOP/s per device and MFU.
 
 
@@ -402,7 +404,7 @@ class Trainer:
             self._owns_process_group = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        # a stalled peer ends the job in one line (te_npu.training.stall); a fake process group
+        # a stalled peer ends the job in one line (te_npu.training.guards.stall); a fake process group
         # (the capacity estimate: one process playing one rank) has no peers to watch
         if self.world_size > 1 and dist.get_backend() != "fake":
             self._watch.start(t.collective_timeout_s, store=default_store(), rank=self.rank, world=self.world_size)
@@ -549,7 +551,7 @@ class Trainer:
     def train(self) -> list[StepRecord]:
         """Run until ``training.train_steps``; log, evaluate, checkpoint and plot on the way.
 
-        A divergence rule (``te_npu.training.divergence``) raises ``TrainingDiverged`` before
+        A divergence rule (``te_npu.training.guards.divergence``) raises ``TrainingDiverged`` before
         anything is saved; a graceful SIGTERM (``checkpoint.save_on_sigterm``) saves and returns.
         An interval save that falls while a streak rule is counting (skipped steps, a collapsed
         model) waits for the next healthy step, and a save's older steps are pruned only once a
@@ -802,7 +804,7 @@ class Trainer:
         return stack
 
     def _plot(self) -> None:
-        from te_npu.training.plots import plot_runs, read_run
+        from te_npu.training.metrics.plots import plot_runs, read_run
 
         out = Path(self.cfg.logging.dir) / "curves.png"
         plot_runs([(Path(self.cfg.logging.dir).name, read_run(Path(self.cfg.logging.dir), self.cfg.logging.metrics_jsonl))], out)

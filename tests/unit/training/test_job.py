@@ -5,7 +5,7 @@ import signal
 import pytest
 
 from te_npu import ConfigError
-from te_npu.training.divergence import TrainingDiverged
+from te_npu.training.guards.divergence import TrainingDiverged
 from te_npu.training.job import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, run_job
 
 

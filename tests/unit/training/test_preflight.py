@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from te_npu import ConfigError
-from te_npu.training import preflight
+from te_npu.training.guards import preflight
 
 
 def _ckpt(directory, resume="auto", load_step=None):

@@ -7,7 +7,7 @@ import time
 import pytest
 from torch.distributed import HashStore
 
-from te_npu.training.stall import StallWatch, period_for, waited_for
+from te_npu.training.guards.stall import StallWatch, period_for, waited_for
 
 TIMEOUT = 2.0  # seconds; heartbeats every 0.4 s
 

@@ -25,7 +25,7 @@ once ``check_config`` confirms it still describes the model; the architecture fi
 model's either way) and a copy of its tokenizer files and ``generation_config.json``
 (``SIDE_FILES``), so the export is a drop-in replacement of its source. It writes a
 ``te_npu_export.json`` (the run's lineage and step): the only kind of existing directory an
-export replaces (``te_npu.training.preflight.check_export_dir`` refuses any other before training).
+export replaces (``te_npu.training.guards.preflight.check_export_dir`` refuses any other before training).
 """
 from __future__ import annotations
 

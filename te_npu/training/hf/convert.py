@@ -33,7 +33,7 @@ from te_npu.distributed.hf_checkpoint import HFWriteReport, save_hf_weights
 from te_npu.distributed.optim import MasterWeightOptimizer
 from te_npu.distributed.progress import ProgressBar
 from te_npu.errors import ConfigError
-from te_npu.training import hf_weights
+from te_npu.training.hf import weights as hf_weights
 from te_npu.training.config import TrainConfig
 from te_npu.distributed import process_group
 
