@@ -22,7 +22,7 @@
   process group's timeout, ``training.collective_timeout_s``; ``is_collective_timeout``) is
   reported the same way, exit 4: the watch's line naming the rank the others waited for (a
   silent one, one behind, or one alive but busy outside the collective).
-- a full disk (``te_npu.distributed.disk_space.DiskFullError``) is one line too, without a
+- a full disk (``te_npu.distributed.storage.disk_space.DiskFullError``) is one line too, without a
   traceback: the folder, the bytes needed, what is left.
 
 Exit codes: 0 done, 1 error, 2 configuration error (before anything was built), 3 stopped
@@ -49,7 +49,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from te_npu.compat import default_store
-from te_npu.distributed.disk_space import DiskFullError
+from te_npu.distributed.storage.disk_space import DiskFullError
 from te_npu.errors import ConfigError, exception_chain
 from te_npu.training import mapped_files
 from te_npu.training.guards.divergence import TrainingDiverged

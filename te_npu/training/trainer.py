@@ -43,12 +43,13 @@ from torch import nn
 import te_npu
 from te_npu import events
 from te_npu.recipe import describe_recipe, recipe_change_note, recipe_record
-from te_npu.distributed import MasterWeightOptimizer, StepResult, checkpoint_folder, layer_units, shard_model
+from te_npu.distributed import MasterWeightOptimizer, StepResult, layer_units, shard_model
+from te_npu.distributed.storage import folder as checkpoint_folder
 from te_npu.distributed.sharding import average_replicated_gradients
 from te_npu.distributed.storage import dcp as checkpoint
-from te_npu.distributed.checkpoint_lock import FolderLock, acquire_folder_lock, describe_holder
+from te_npu.distributed.storage.lock import FolderLock, acquire_folder_lock, describe_holder
 from te_npu.distributed.mesh import dp_mesh
-from te_npu.distributed.hf_checkpoint import export_state
+from te_npu.distributed.storage.hf_checkpoint import export_state
 from te_npu.compat import default_store, local_tensor, set_process_group_timeout
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns

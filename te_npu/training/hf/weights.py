@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from te_npu.distributed.storage.dcp import persistent_buffers
-from te_npu.distributed.hf_checkpoint import (
+from te_npu.distributed.storage.hf_checkpoint import (
     HFCheckpoint,
     HFReadReport,
     HFWriteReport,
@@ -47,8 +47,8 @@ from te_npu.distributed.hf_checkpoint import (
     open_hf_checkpoint,
     save_hf_weights,
 )
-from te_npu.distributed.hf_layout import HFKeyMap, plan_hf_read
-from te_npu.distributed.hf_layout import left_out_note as left_out_note_of
+from te_npu.distributed.storage.hf_layout import HFKeyMap, plan_hf_read
+from te_npu.distributed.storage.hf_layout import left_out_note as left_out_note_of
 from te_npu.distributed.optim import MasterWeightOptimizer
 from te_npu.errors import ConfigError
 
