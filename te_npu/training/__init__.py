@@ -1,12 +1,12 @@
 """The generic trainer and its rooms.
 
-At the top: ``trainer`` (the ``Trainer``: the build order and the step loop), ``job`` (the
-entry point's error path), ``launch`` and ``launch_report`` (the launcher and its one-line
-summary), ``mapped_files``, ``config`` / ``schema`` (the YAML sections), ``schedule`` and
-``recompute``. The rooms: ``data`` (every data kind, blends, splits, samplers, checksums),
-``metrics`` (step lines, ``metrics.jsonl``, plots, throughput / MFU), ``guards`` (preflight,
-divergence rules, the stall watch), ``hf`` (Hugging Face start, export and conversion) and
-``capacity`` (the memory estimate and its tracker).
+At the top: ``trainer`` (the ``Trainer``: the build order and the step loop) and
+``trainer_storage`` (its on-disk side), ``job`` (the entry point's error path), ``launch`` and
+``launch_report`` (the launcher and its one-line summary), ``mapped_files``, ``config`` /
+``schema`` (the YAML sections), ``schedule`` and ``recompute``. The rooms: ``data`` (every data
+kind, blends, splits, samplers, checksums), ``metrics`` (step lines, ``metrics.jsonl``, plots,
+throughput / MFU), ``guards`` (preflight, divergence rules, the stall watch), ``hf`` (Hugging
+Face start, export and conversion) and ``capacity`` (the memory estimate and its tracker).
 Importing this package loads the config, the data entry and the metrics logger, not the Trainer.
 """
 from te_npu.training.config import TrainConfig, load_config
