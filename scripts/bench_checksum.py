@@ -5,10 +5,10 @@ Writes ``--files`` files of random bytes (``--gib`` GiB in all, like one rank's 
 under ``--dir``, then times, from the page cache (the state right after a save):
 
 * ``read``: reading every file in 16 MiB chunks, nothing else (the baseline);
-* ``crc32 1 thread``: ``checkpoint_manifest.file_entry`` on each file in turn;
-* ``crc32 hash_files``: ``checkpoint_manifest.hash_files`` (what save / load run: up to 4 threads);
+* ``crc32 1 thread``: ``storage.manifest.file_entry`` on each file in turn;
+* ``crc32 hash_files``: ``storage.manifest.hash_files`` (what save / load run: up to 4 threads);
 * ``sha256 1 thread``: ``token_checksum.sha256_of`` on each file in turn (what opening a token
-  file whose header records its digest costs: ``te_npu.training.token_checksum``).
+  file whose header records its digest costs: ``te_npu.training.data.token_checksum``).
 
 "ratio" is each row's time over the read baseline's. Medians of ``--repeats`` runs.
 
@@ -20,8 +20,8 @@ import statistics
 import tempfile
 import time
 
-from te_npu.distributed.checkpoint_manifest import file_entry, hash_files
-from te_npu.training.token_checksum import sha256_of
+from te_npu.distributed.storage.manifest import file_entry, hash_files
+from te_npu.training.data.token_checksum import sha256_of
 
 _CHUNK = 16 << 20
 

@@ -284,7 +284,7 @@ def plot(out_png: Path, runs: dict, summaries: dict, profiles: dict, title: str)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from te_npu.training.plots import series
+    from te_npu.training.metrics.plots import series
 
     colors = {"bf16": "tab:blue", "mxfp8": "tab:orange", "hif8": "tab:green", "mxfp8_floor": "tab:red"}
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     command_file = out / "command.json"
     args.command = json.loads(command_file.read_text()) if command_file.exists() else args.argv
     from te_npu.training.config import load_config
-    from te_npu.training.metrics_log import read_metrics
+    from te_npu.training.metrics.log import read_metrics
 
     runs = {name: read_metrics(out / name / "metrics.jsonl") for name in recipes}
     summaries = {name: summarize(records, args.skip_steps) for name, records in runs.items()}

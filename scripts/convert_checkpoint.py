@@ -63,7 +63,7 @@ def _convert(args: argparse.Namespace) -> None:
 
     from models.deepseek_v3.pretrain import DeepseekV3Task
     from te_npu.training.config import load_config
-    from te_npu.training.hf_convert import dcp_to_hf, hf_to_dcp
+    from te_npu.training.hf.convert import dcp_to_hf, hf_to_dcp
 
     # config errors (the model section's too) surface before any rank starts work
     cfg = load_config(args.config, args.overrides, model_section=DeepseekV3Task.model_section)

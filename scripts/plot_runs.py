@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from te_npu.training.plots import plot_runs, read_run  # noqa: E402
+from te_npu.training.metrics.plots import plot_runs, read_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

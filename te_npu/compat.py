@@ -38,7 +38,7 @@ private name                                               used for
                                                            gather of a K-sharded weight's scales)
 ``torch.distributed.checkpoint.filesystem._StorageInfo``,  what a DCP ``.metadata`` pickle is made of:
 ``torch.distributed.checkpoint.metadata                    the restricted unpickler of
-._MEM_FORMAT_ENCODING``, ``torch.serialization            ``distributed/checkpoint_metadata.py``
+._MEM_FORMAT_ENCODING``, ``torch.serialization            ``distributed/storage/metadata.py``
 ._get_layout``                                             resolves exactly these
 ``torch.distributed._composable_state._module_state_mapping``
                                                            the FSDP2 unit that manages a parameter

@@ -14,14 +14,14 @@ Forward, per token:
     MoE MLP           2 * D*E (router) + 2 * 3 * D*M * (K + Z)   (routed top-K and shared)
     lm_head           2 * D*O
 
-Training counts 3x the forward (``te_npu.training.throughput``); full activation recompute
+Training counts 3x the forward (``te_npu.training.metrics.throughput``); full activation recompute
 replays the decoder layers' forward (everything above but the lm_head) once more. Norms, RoPE,
 softmax, SwiGLU and the routing's sort are elementwise or memory-bound and not counted.
 """
 from __future__ import annotations
 
 from models.deepseek_v3.config import DeepseekV3Config
-from te_npu.training.throughput import ModelFlops
+from te_npu.training.metrics.throughput import ModelFlops
 
 __all__ = ["forward_flops_per_token", "flops_per_token"]
 

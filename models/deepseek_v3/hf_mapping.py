@@ -26,8 +26,8 @@ from torch import nn
 
 import te_npu
 from models.deepseek_v3.config import DeepseekV3Config, from_hf_config, to_hf_config_dict
-from te_npu.distributed.hf_checkpoint import load_hf_weights, open_hf_checkpoint, save_hf_weights
-from te_npu.distributed.hf_layout import HFKeyMap, StackedExperts
+from te_npu.distributed.storage.hf_checkpoint import load_hf_weights, open_hf_checkpoint, save_hf_weights
+from te_npu.distributed.storage.hf_layout import HFKeyMap, StackedExperts
 
 __all__ = [
     "HF_KEY_MAP", "DeepseekV3HFAdapter", "mtp_key_map", "to_hf_state_dict", "from_hf_state_dict", "load_hf_checkpoint",
@@ -54,7 +54,7 @@ _PER_EXPERT_KEY = re.compile(
 
 
 class DeepseekV3HFAdapter:
-    """te_npu's HF adapter (``te_npu.training.hf_weights.HFAdapter``) for one model config."""
+    """te_npu's HF adapter (``te_npu.training.hf.weights.HFAdapter``) for one model config."""
 
     def __init__(self, config: DeepseekV3Config) -> None:
         self.config = config

@@ -22,7 +22,7 @@ from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, initia
 from models.deepseek_v3.model_section import DeepseekV3ModelSection
 from te_npu.training.config import TrainConfig, load_config
 from te_npu.training.job import StopRequest, run_job
-from te_npu.training.throughput import ModelFlops
+from te_npu.training.metrics.throughput import ModelFlops
 from te_npu.training.trainer import Trainer
 
 __all__ = ["DeepseekV3Task", "model_section_of", "model_config", "main"]

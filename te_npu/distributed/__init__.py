@@ -2,7 +2,11 @@
 
 ``checkpoint`` is Transformer Engine's ``te.distributed.checkpoint``: the activation checkpoint
 (``te_npu.checkpoint``). The DCP checkpoints (model / optimizer on disk) are
-``te_npu.distributed.storage.dcp``.
+``te_npu.distributed.storage.dcp``; everything else on disk (the folder, its lock and
+manifests, the metadata reader, disk space, Hugging Face directories) is in
+``te_npu.distributed.storage`` too. Here: ``mesh``, ``process_group``, ``fsdp`` (the 8-bit
+all-gather extension), ``sharding`` (the shard plan and FSDP2 units) and ``optim`` (the
+FP32-master optimizer).
 
 Importing this package installs the FSDP2 all-gather extension on ``MXFP8Tensor`` and
 ``HiF8Tensor`` (the tensor layer imports nothing from here).

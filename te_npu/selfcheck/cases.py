@@ -1,4 +1,5 @@
-"""The self-check's cases: one te_npu call on named inputs, and what may differ (README Limits).
+"""The self-check's cases: one te_npu call on named inputs, and what may differ (the Limits of
+docs/numerics-and-limits.md).
 
 Every case runs a public ``te_npu.ops`` call (which routes to ``te_npu/ops/npu.py`` on the device
 and to the emulation on CPU) and returns its outputs by name in te_npu's canonical layouts:
@@ -192,7 +193,8 @@ def _group_lists(total, groups, gen) -> dict[str, torch.Tensor]:
 
 
 def _limit_cases(gen) -> list[Case]:
-    """One input for each README Limits line about quantization kernels (small shapes)."""
+    """One input for each Limits line about quantization kernels (small shapes; the Limits of
+    docs/numerics-and-limits.md)."""
     M, K, sizes = 96, 128, torch.tensor([40, 0, 56])
     cases = []
     for dtype in (_BF16, _FP32):

@@ -1,4 +1,5 @@
-"""The README "Limits" lines about kernels that the self-check gives an input of its own.
+"""The "Limits" lines about kernels (docs/numerics-and-limits.md) that the self-check gives an
+input of its own.
 
 Each id names one documented difference between a vendor kernel and te_npu's emulation (or a
 detail the sources leave open). A case tagged with an id may differ from the emulation exactly

@@ -162,13 +162,15 @@ def markdown(report: dict) -> str:
         if r["limit"]:
             by_limit[(r["limit"], r["op"])][r["verdict"]] += 1
     if by_limit:
-        lines += ["", "Inputs for README \"Limits\" lines (known difference = differs exactly where documented):", "",
+        lines += ["", "Inputs for \"Limits\" lines (docs/numerics-and-limits.md; known difference = differs exactly "
+                      "where documented):", "",
                   "| Limits line | op | known difference | agrees (did not show) | differs / error |", "|---|---|---|---|---|"]
         for (limit, op), c in sorted(by_limit.items()):
             lines.append(f"| `{limit}` | `{op}` | {c[KNOWN]} | {c[AGREES]} | {c[DIFFERS] + c[ERROR]} |")
     used = sorted({r["limit"] for r in report["results"] if r["limit"]})
     if used:
-        lines += ["", "Limits lines checked (README \"Limits\"):"] + [f"- `{k}`: {LIMITS[k]}" for k in used]
+        lines += ["", "Limits lines checked (docs/numerics-and-limits.md, \"Limits\"):"] + \
+            [f"- `{k}`: {LIMITS[k]}" for k in used]
     return "\n".join(lines) + "\n"
 
 

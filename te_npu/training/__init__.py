@@ -1,6 +1,13 @@
-"""Generic training pieces: YAML config schema, token data and samplers, metrics logging.
+"""The generic trainer and its rooms.
 
-The Trainer, FSDP2 wiring and DCP live elsewhere; these pieces never build a model.
+At the top: ``trainer`` (the ``Trainer``: the build order and the step loop) and
+``trainer_storage`` (its on-disk side), ``job`` (the entry point's error path), ``launch`` and
+``launch_report`` (the launcher and its one-line summary), ``mapped_files``, ``config`` /
+``schema`` (the YAML sections), ``schedule`` and ``recompute``. The rooms: ``data`` (every data
+kind, blends, splits, samplers, checksums), ``metrics`` (step lines, ``metrics.jsonl``, plots,
+throughput / MFU), ``guards`` (preflight, divergence rules, the stall watch), ``hf`` (Hugging
+Face start, export and conversion) and ``capacity`` (the memory estimate and its tracker).
+Importing this package loads the config, the data entry and the metrics logger, not the Trainer.
 """
 from te_npu.training.config import TrainConfig, load_config
 from te_npu.training.data import (
@@ -11,7 +18,7 @@ from te_npu.training.data import (
     validation_batches,
     write_token_file,
 )
-from te_npu.training.metrics_log import MetricsLogger, format_step_line, peak_memory_mb, read_metrics
+from te_npu.training.metrics.log import MetricsLogger, format_step_line, peak_memory_mb, read_metrics
 
 __all__ = [
     "TrainConfig",

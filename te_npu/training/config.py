@@ -158,7 +158,7 @@ class TrainingConfig:
     ``eval_interval`` 0 disables evaluation; ``backend: auto`` picks the first backend of
     ``BACKENDS_BY_DEVICE[device]`` (gloo / nccl / hccl; ``resolved_backend``).
 
-    Stopping a dead run (``te_npu.training.divergence``): ``max_consecutive_skipped_steps``
+    Stopping a dead run (``te_npu.training.guards.divergence``): ``max_consecutive_skipped_steps``
     optimizer steps in a row skipped for non-finite gradients stop it (0: never);
     ``stop_on_nonfinite_loss`` stops it at the first non-finite training loss;
     ``max_loss_factor`` stops it, from the first step, when a loss exceeds that factor times
@@ -169,7 +169,7 @@ class TrainingConfig:
     as good, and exits non-zero.
 
     ``collective_timeout_s``: the longest any rank waits for its peers, in one collective or one
-    step: the process group's timeout, and the stall watch's (``te_npu.training.stall``: a rank
+    step: the process group's timeout, and the stall watch's (``te_npu.training.guards.stall``: a rank
     whose peer sends no heartbeat, or that spends a step waiting, that long names the stalled
     rank in one line and ends the job with exit code 4). The default, 600 s, is Megatron's and
     NCCL's 10 minutes: far above a 16B step on 8x A5, a resume's verification or an HF load of
@@ -190,7 +190,7 @@ class TrainingConfig:
     else ``eager``, saying why. A named kernel that cannot run raises; the losses are the same bits.
 
     ``peak_tflops``: one device's peak TFLOP/s for the run's format, the denominator of the MFU
-    the step line reports (``te_npu.training.throughput``); null: Ascend 950's (1000 for MXFP8 /
+    the step line reports (``te_npu.training.metrics.throughput``); null: Ascend 950's (1000 for MXFP8 /
     HiF8, none published for BF16) on an ``npu`` device, no MFU elsewhere.
     """
 
@@ -312,14 +312,14 @@ class DataConfig:
     by sequences; the samples and their order are Megatron's ``GPTDataset`` / ``BlendedDataset``
     ones, indexed in ``cache_dir`` for ``train_samples`` samples (Megatron's ``--train-samples``;
     default: this run's); ``start_sample`` starts a fresh run at that global sample
-    (``te_npu.training.megatron_data``).
+    (``te_npu.training.data.megatron_data``).
 
     ``kind: hf``: a local Hugging Face dataset at ``path`` (parquet / jsonl / arrow / txt / csv
     files, a folder of them, or a ``save_to_disk`` folder), column ``text_key`` of split
     ``hf_split``, tokenized with the local ``tokenizer`` folder once into a cached Megatron
     indexed dataset under ``cache_dir``; validation from ``val_path`` or ``split``
-    (``te_npu.training.hf_data``); ``streaming: true`` tokenizes on the fly instead, in order
-    (``shuffle: false``), validation from ``val_path`` (``te_npu.training.hf_stream``).
+    (``te_npu.training.data.hf_data``); ``streaming: true`` tokenizes on the fly instead, in order
+    (``shuffle: false``), validation from ``val_path`` (``te_npu.training.data.hf_stream``).
     """
 
     kind: str = "stdlib"

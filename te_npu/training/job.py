@@ -16,7 +16,7 @@
 - under torchrun a rank exits when its launcher dies (``PR_SET_PDEATHSIG`` on Linux, and
   the watchdog polls the parent pid), so a killed launcher leaves no orphan training on.
 - a rank that stops making progress without failing (SIGSTOP, D state, a vanished host) is
-  found by its peers' stall watch (``te_npu.training.stall``, started by the trainer once the
+  found by its peers' stall watch (``te_npu.training.guards.stall``, started by the trainer once the
   process group exists): the first rank to see it prints one line naming the stalled rank and
   every rank that sees it leaves with exit code 4. A collective that times out first (the
   process group's timeout, ``training.collective_timeout_s``; ``is_collective_timeout``) is
@@ -28,7 +28,7 @@
   (``node 1 (ranks 2-3, host h) lost: ...``) or the ranks. Under ``te_npu.training.launch`` the
   ranks leave that line to their launcher (``launch_report.leave_note``), which prints it once
   per surviving node as its summary; under a plain torchrun the first rank to fail prints it.
-- a full disk (``te_npu.distributed.disk_space.DiskFullError``) is one line too, without a
+- a full disk (``te_npu.distributed.storage.disk_space.DiskFullError``) is one line too, without a
   traceback: the folder, the bytes needed, what is left.
 
 Exit codes: 0 done, 1 error, 2 configuration error (before anything was built), 3 stopped
@@ -56,11 +56,11 @@ from typing import Callable
 import torch.distributed as dist
 
 from te_npu.compat import default_store
-from te_npu.distributed.disk_space import DiskFullError
+from te_npu.distributed.storage.disk_space import DiskFullError
 from te_npu.errors import ConfigError, exception_chain
 from te_npu.training import launch_report, mapped_files
-from te_npu.training.divergence import TrainingDiverged
-from te_npu.training.stall import EXIT_STALLED, StallWatch
+from te_npu.training.guards.divergence import TrainingDiverged
+from te_npu.training.guards.stall import EXIT_STALLED, StallWatch
 
 __all__ = [
     "EXIT_OK",

@@ -17,7 +17,7 @@ Multi-node (``--nnodes N --node_rank K --master_addr A --master_port P``, torchr
 rendezvous: node 0's launcher hosts the job's store at ``A:P``; every node runs its own launcher
 with the same arguments but its ``--node_rank``). When another node is lost (its launcher killed,
 its host down) this node's ranks see their collectives break, name the lost node from their
-heartbeats (``te_npu.training.stall``) and leave that line here; this launcher prints it as its
+heartbeats (``te_npu.training.guards.stall``) and leave that line here; this launcher prints it as its
 one-line summary and exits 4: ``launch: node 1 (ranks 2-3, host h) lost: connections closed and
 the processes of ranks 2-3 ended; rank 0 was in iteration 4, forward/backward; ending the job
 (exit 4)`` (node 0 lost: "the job's store ... no longer answers"). A node that hangs without

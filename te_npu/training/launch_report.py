@@ -11,7 +11,7 @@ named, and the job's exit code is 2 (a data fault), never only the signal.
 
 A lost node (multi-node: another node's launcher killed, its host down): this node's ranks see
 their collectives break on closed connections, find which peers are gone
-(``te_npu.training.stall.StallWatch.lost_peers``) and leave that line in the launcher's folder
+(``te_npu.training.guards.stall.StallWatch.lost_peers``) and leave that line in the launcher's folder
 (``leave_note``); the summary is then that line, ``launch: node 1 (ranks 2-3, host h) lost: ...``,
 exit 4 -- unless a rank of this node was killed by a signal (this launcher saw that itself).
 """

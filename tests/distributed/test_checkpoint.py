@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing import ProcessExitedException
 
 from te_npu import ConfigError
-from te_npu.distributed import MasterWeightOptimizer, checkpoint_folder, shard_model
+from te_npu.distributed import MasterWeightOptimizer, shard_model
+from te_npu.distributed.storage import folder as checkpoint_folder
 from te_npu.distributed.storage import dcp as checkpoint
 from tests.distributed.harness import batch, build, loss_of, run_ranks
 
@@ -241,7 +242,7 @@ def _crafted_metadata(step_dir, payload) -> None:
     """What whoever can write the folder can do: replace .metadata, then re-hash it in the manifest."""
     import json
 
-    from te_npu.distributed.checkpoint_manifest import file_entry
+    from te_npu.distributed.storage.manifest import file_entry
 
     with open(os.path.join(step_dir, ".metadata"), "wb") as f:
         pickle.dump(payload, f)
@@ -309,7 +310,7 @@ def test_checkpoint_disk_full_while_writing_is_named(tmp_path, monkeypatch):
     """torch's zip writer says "unexpected pos" on ENOSPC: the folder's free space tells the cause."""
     _save(tmp_path, 2, lineage="run")
 
-    from te_npu.distributed import disk_space
+    from te_npu.distributed.storage import disk_space
 
     def full(*args, **kwargs):
         monkeypatch.setattr(disk_space, "free_bytes", lambda path: 4096)
@@ -358,12 +359,12 @@ def test_checkpoint_latest_naming_a_missing_step_names_both(tmp_path):
 
 
 def test_checkpoint_step_without_manifest_is_refused_until_adopted(tmp_path):
-    from te_npu.distributed import checkpoint_manifest
+    from te_npu.distributed.storage import manifest as checkpoint_manifest
 
     step2 = _save(tmp_path, 2, lineage="run")
     os.remove(os.path.join(step2, "manifest.json"))  # as a step saved before manifests existed
     model, opt = _setup("mxfp8", 1)
-    with pytest.raises(ConfigError, match="checkpoint_manifest adopt"):
+    with pytest.raises(ConfigError, match="storage.manifest adopt"):
         checkpoint.load(tmp_path, model, opt)
     assert checkpoint_manifest._main(["adopt", step2]) == 0
     assert checkpoint_manifest._main(["adopt", step2]) == 2  # never overwrites a manifest

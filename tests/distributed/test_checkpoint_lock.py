@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from te_npu import ConfigError
-from te_npu.distributed.checkpoint_lock import LOCK_NAME, acquire_folder_lock, describe_holder
+from te_npu.distributed.storage.lock import LOCK_NAME, acquire_folder_lock, describe_holder
 
 
 def _hold_in_child(directory):

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from te_npu.distributed.hf_checkpoint import EXPORT_RECORD, export_state, save_hf_weights
-from te_npu.distributed.hf_layout import HFKeyMap
+from te_npu.distributed.storage.hf_checkpoint import EXPORT_RECORD, export_state, save_hf_weights
+from te_npu.distributed.storage.hf_layout import HFKeyMap
 from te_npu.errors import ConfigError
 
 RUN = "run-a"

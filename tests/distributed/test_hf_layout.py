@@ -1,12 +1,12 @@
-"""HF key planning (``te_npu.distributed.hf_layout``): both expert layouts, every misfit listed, file packing."""
+"""HF key planning (``te_npu.distributed.storage.hf_layout``): both expert layouts, every misfit listed, file packing."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from models.deepseek_v3.hf_mapping import HF_KEY_MAP
-from te_npu.distributed.hf_checkpoint import _local_piece
-from te_npu.distributed.hf_layout import HFStoredTensor, plan_hf_read, plan_hf_write
+from te_npu.distributed.storage.hf_checkpoint import _local_piece
+from te_npu.distributed.storage.hf_layout import HFStoredTensor, plan_hf_read, plan_hf_write
 from te_npu.errors import ConfigError
 
 E, F, D = 4, 8, 16
@@ -116,7 +116,7 @@ def test_mtp_layers_are_left_out_and_named_in_one_line():
     is skipped instead of refused as unexpected; the note names it and says MTP is not trained."""
     from models.deepseek_v3.config import DSV3_TINY
     from models.deepseek_v3.hf_mapping import mtp_key_map
-    from te_npu.distributed.hf_layout import left_out_note
+    from te_npu.distributed.storage.hf_layout import left_out_note
 
     config = DSV3_TINY.replace(num_hidden_layers=2, num_nextn_predict_layers=1)
     key_map = mtp_key_map(config)

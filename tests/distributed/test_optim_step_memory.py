@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from te_npu.distributed import MasterWeightOptimizer
-from te_npu.training.memory_tracker import MemoryTracker
+from te_npu.training.capacity.memory_tracker import MemoryTracker
 
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=0.5)
 

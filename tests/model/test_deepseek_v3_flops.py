@@ -8,7 +8,7 @@ import torch
 from models.deepseek_v3.config import DSV3_16B, DSV3_TINY
 from models.deepseek_v3.flops import flops_per_token, forward_flops_per_token
 from models.deepseek_v3.model import DeepseekV3ForCausalLM
-from te_npu.training.throughput import ModelFlops, default_peak_tflops, step_throughput
+from te_npu.training.metrics.throughput import ModelFlops, default_peak_tflops, step_throughput
 
 
 def test_flops_tiny_config_equals_hand_count():

@@ -33,7 +33,7 @@ import time
 import torch.distributed as dist
 
 from models.deepseek_v3 import pretrain
-from te_npu.distributed import checkpoint_folder
+from te_npu.distributed.storage import folder as checkpoint_folder
 from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.training.trainer import Trainer
 
@@ -70,7 +70,7 @@ def _install(fault: str) -> None:
 
         checkpoint.hash_files = slow_hash
     elif kind == "slow_export":
-        from te_npu.distributed import hf_checkpoint
+        from te_npu.distributed.storage import hf_checkpoint
 
         original_consolidate = hf_checkpoint.consolidate_safetensors_files
 

@@ -44,7 +44,7 @@ def body(stop: StopRequest, out: str) -> None:
 if __name__ == "__main__":
     out_dir = sys.argv[1]
     if os.environ.get("SHUTDOWN_PLAIN_EXIT"):
-        from te_npu.training.stall import StallWatch
+        from te_npu.training.guards.stall import StallWatch
 
         body(StopRequest(StallWatch(on_stall=print)), out_dir)
         sys.exit(0)

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from te_npu.errors import ConfigError
-from te_npu.training.blend import normalize_weights
+from te_npu.training.data.blend import normalize_weights
 from tests.distributed.harness import _free_port
 from tests.system import data_runs as R
 from tests.system import harness as H

@@ -383,7 +383,7 @@ def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path):
 def test_crafted_metadata_is_refused_through_the_launcher_and_runs_no_code(tmp_path):
     import pickle
 
-    from te_npu.distributed.checkpoint_manifest import file_entry
+    from te_npu.distributed.storage.manifest import file_entry
 
     first = Job(tmp_path / "a", "training.train_steps=4", "checkpoint.interval=2")
     assert first.wait() == 0

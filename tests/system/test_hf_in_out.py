@@ -44,7 +44,7 @@ def _full(t):
 
 
 def _masters_and_buffers(trainer):
-    from te_npu.training.hf_weights import training_tensors
+    from te_npu.training.hf.weights import training_tensors
 
     return {k: _full(v).detach().clone() for k, v in training_tensors(trainer.model, trainer.optimizer).items()}
 
@@ -388,7 +388,7 @@ def test_hf_to_dcp_refuses_a_folder_holding_a_run(hf_dir, tmp_path, st_data_dir)
     """The issue's case: step_0 written into a run's folder became its latest (resume: auto restarted from HF)."""
     from models.deepseek_v3.pretrain import DeepseekV3Task
     from te_npu.distributed.storage import dcp as checkpoint
-    from te_npu.training.hf_convert import hf_to_dcp
+    from te_npu.training.hf.convert import hf_to_dcp
 
     cfg = _cfg("bf16", tmp_path, st_data_dir, "fsdp_config.dp_shard_size=1", "training.train_steps=2")
     trainer, _ = H._trainer(cfg, [])

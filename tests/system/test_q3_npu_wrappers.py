@@ -10,7 +10,7 @@ equals the emulation run bitwise: each step's loss and global grad norm, and eve
 because each NPU route computes the emulation's numbers (the wrappers' contract, tested op by op
 in tests/unit/ops/test_ops_npu.py) and the fake's GEMMs sum FP32-decoded operands in the same
 order as the emulation's for these shapes (both are torch CPU FP32 matmuls on identically laid
-out operands; the A5's cube-unit order is not published, see README Limits).
+out operands; the A5's cube-unit order is not published, see docs/numerics-and-limits.md, Limits).
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """``import te_npu`` is one-way: every import (module level or inside a function) points to the
 same or a lower layer of the table below, the README's "Architecture" section, which refines
-DESIGN.md's ``modules -> functional -> quantizers/tensor -> numerics/ops``; and no set of modules
+DESIGN.md's ``modules -> functional -> quantizers/tensor -> numerics/ops``; inside
+``te_npu.training`` and ``te_npu.distributed`` the rooms and top modules are sub-layers of their
+own (``SUB_LAYERS``), so a room never imports the modules above it; and no set of modules
 imports each other in a cycle, however the imports are placed."""
 from __future__ import annotations
 
@@ -33,6 +35,26 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Bottom to top. A unit is a top-level module or subpackage of ``te_npu``."""
 
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+SUB_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "training": (
+        ("data", "metrics", "guards", "schema", "schedule", "recompute", "mapped_files"),  # the rooms
+        ("config", "job", "launch_report"),   # the YAML sections (over data, schema); the entry point
+        ("hf", "launch"),                     # HF start / export / conversion (over config); the launcher
+        ("trainer_storage",),                 # the Trainer's on-disk side
+        ("trainer",),
+        ("capacity", "__init__"),             # the estimate runs the Trainer; the package's names
+    ),
+    "distributed": (
+        ("mesh", "process_group", "fsdp"),
+        ("sharding", "optim"),
+        ("storage",),                         # everything on disk (DCP, folder, lock, manifest, HF)
+        ("__init__",),
+    ),
+}
+"""Bottom to top inside a unit. A sub-unit is a room (subpackage) or a top module of the unit."""
+
+SUB_RANK = {unit: {sub: rank for rank, subs in enumerate(table) for sub in subs} for unit, table in SUB_LAYERS.items()}
 
 
 def _modules() -> dict[str, Path]:
@@ -74,19 +96,33 @@ def _unit(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _sub_unit(module: str) -> str:
+    """The room or top module of its unit (``te_npu.training.data.blend`` -> ``data``)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
 def test_every_unit_of_the_package_has_a_layer():
     missing = sorted({_unit(m) for m in MODULES} - set(RANK))
     assert not missing, f"te_npu units not in LAYERS (add them to the table and the README): {missing}"
+    missing = sorted({f"{_unit(m)}.{_sub_unit(m)}" for m in MODULES if _unit(m) in SUB_LAYERS
+                      and _sub_unit(m) not in SUB_RANK[_unit(m)]})
+    assert not missing, f"rooms / modules not in SUB_LAYERS (add them to the table and the README): {missing}"
 
 
 def _upward(module: str, targets: set[str]) -> list[str]:
-    """The imports of ``module`` that reach its own layer (another unit) or a higher one."""
-    unit = _unit(module)
-    return [
-        f"{target} ({_unit(target)}, layer {RANK[_unit(target)]})"
-        for target in sorted(targets)
-        if _unit(target) != unit and RANK[_unit(target)] >= RANK[unit]
-    ]
+    """The imports of ``module`` that reach its own layer (another unit) or a higher one; inside a
+    unit with sub-layers, those that reach another sub-unit of its own sub-layer or a higher one."""
+    unit, bad = _unit(module), []
+    for target in sorted(targets):
+        if _unit(target) != unit:
+            if RANK[_unit(target)] >= RANK[unit]:
+                bad.append(f"{target} ({_unit(target)}, layer {RANK[_unit(target)]})")
+        elif unit in SUB_LAYERS and _sub_unit(target) != _sub_unit(module):
+            ranks = SUB_RANK[unit]
+            if ranks[_sub_unit(target)] >= ranks[_sub_unit(module)]:
+                bad.append(f"{target} ({unit}.{_sub_unit(target)}, sub-layer {ranks[_sub_unit(target)]})")
+    return bad
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -141,14 +177,21 @@ def test_the_walk_sees_the_edges_it_checks():
     """The walk is not vacuous: edges the code is known to have (a function-level one included)."""
     assert "te_npu.numerics.hif8" in GRAPH["te_npu.formats"]
     assert "te_npu.ops.kernels" in GRAPH["te_npu.ops.emulation"]
-    assert "te_npu.training.plots" in GRAPH["te_npu.training.trainer"]  # imported inside a method
+    assert "te_npu.training.metrics.plots" in GRAPH["te_npu.training.trainer"]  # imported inside a method
     assert RANK["modules"] > RANK["functional"] > RANK["tensor"] > RANK["ops"] > RANK["numerics"]
+    assert "te_npu.training.data.blend" in GRAPH["te_npu.training.data.gpt_samples"]  # inside a room
+    assert "te_npu.distributed.storage.folder" in GRAPH["te_npu.training.trainer_storage"]
 
 
 def test_the_checks_reject_an_upward_import_a_sideways_one_and_a_cycle():
     assert _upward("te_npu.numerics.mxfp8", {"te_npu.modules.linear"})  # up
     assert _upward("te_npu.recipe", {"te_npu.tensor.weight"})  # a peer unit on the same layer
     assert not _upward("te_npu.modules.linear", {"te_npu.modules.base", "te_npu.functional.linear"})
+    assert _upward("te_npu.training.data.blend", {"te_npu.training.trainer"})  # a room up to the top modules
+    assert _upward("te_npu.training.guards.stall", {"te_npu.training.metrics.log"})  # a peer room
+    assert _upward("te_npu.distributed.storage.dcp", {"te_npu.distributed"})  # up to the package's names
+    assert not _upward("te_npu.training.trainer", {"te_npu.training.data", "te_npu.training.hf.weights"})
+    assert not _upward("te_npu.training.data.hf_data", {"te_npu.training.data.splits"})  # inside a room
     cycle = {"te_npu.a": {"te_npu.b"}, "te_npu.b": {"te_npu.c"}, "te_npu.c": {"te_npu.a"}, "te_npu.d": {"te_npu.a"}}
     assert _cycles(cycle) == [["te_npu.a", "te_npu.b", "te_npu.c"]]
     assert _cycles({"te_npu.ops.y": {"te_npu.ops"}, "te_npu.ops": {"te_npu.ops.y"}}) == []  # package <-> its own submodule

@@ -1,6 +1,6 @@
-"""README's Transformer Engine / Megatron table stays true: every row has a check here (and
-every check a row); supported names import and work, refused ones raise with their reason; and a
-typical TE training script runs after only the renames the table lists."""
+"""The Transformer Engine / Megatron table (``docs/coming-from-te-megatron.md``) stays true: every
+row has a check here (and every check a row); supported names import and work, refused ones raise
+with their reason; and a typical TE training script runs after only the renames the table lists."""
 from __future__ import annotations
 
 import contextlib
@@ -19,12 +19,12 @@ import te_npu
 from te_npu import ConfigError, HiF8CurrentScalingRecipe, MXFP8BlockRecipe
 from te_npu.recipe import Format
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TE_TABLE = Path(__file__).resolve().parents[2] / "docs" / "coming-from-te-megatron.md"
 BF16 = dict(bias=False, params_dtype=torch.bfloat16)
 
 
 def _rows() -> dict[str, tuple[str, str]]:
-    text = README.read_text()
+    text = TE_TABLE.read_text()
     table = text[text.index("<!-- te-compat-table: start -->"):text.index("<!-- te-compat-table: end -->")]
     rows = {}
     for line in table.splitlines()[3:]:  # marker, header, rule
@@ -248,7 +248,7 @@ def _fallback():
         dist.destroy_process_group()
 
 
-# first README cell -> (status word the row must start with, check)
+# first table cell -> (status word the row must start with, check)
 CHECKS = {
     "`transformer_engine.pytorch.autocast(enabled, calibrating, recipe, amax_reduction_group, _graph)`": (
         "supported", lambda: (

@@ -2,7 +2,8 @@
 Linears, ``GroupedLinear(4)`` with an empty group, ``fp8_autocast(MXFP8BlockScaling())``,
 ``is_first_microbatch``, blocks under ``te.distributed.checkpoint`` as Megatron calls it, AdamW,
 TE's availability probe, ``parameters_to_vector`` / ``.float()`` on FP8 weights, save / load /
-resume) runs after only the README table's renames, trains, and resumes bit for bit."""
+resume) runs after only the TE table's renames (``docs/coming-from-te-megatron.md``), trains, and
+resumes bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -91,4 +92,4 @@ def test_te_script_with_distributed_checkpoint_trains_and_resumes(tmp_path):
     assert len(result["losses"]) == 4 and result["resumed"] == result["losses"][2:]
     rows = _rows()
     for name in ("transformer_engine.pytorch.distributed.checkpoint(", "transformer_engine.pytorch.is_fp8_available("):
-        assert any(name in row for row in rows), name  # the names the script uses are in the README table
+        assert any(name in row for row in rows), name  # the names the script uses are in the TE table

@@ -66,23 +66,23 @@ from torch.distributed.tensor import DTensor
 
 from te_npu.compat import local_tensor, non_persistent_buffer_names
 from te_npu.errors import ConfigError
-from te_npu.distributed import checkpoint_folder as folder
-from te_npu.distributed.checkpoint_folder import (
+from te_npu.distributed.storage import folder
+from te_npu.distributed.storage.folder import (
     latest_checkpoint,
     list_steps,
     new_lineage,
     previous_complete_step,
     step_info,
 )
-from te_npu.distributed.checkpoint_manifest import (
+from te_npu.distributed.storage.manifest import (
     ManifestError,
     hash_files,
     read_manifest,
     verify_files,
     write_manifest,
 )
-from te_npu.distributed.checkpoint_metadata import SafeFileSystemReader, read_metadata_safely
-from te_npu.distributed.disk_space import DiskFullError, format_bytes, free_bytes, raise_if_disk_full
+from te_npu.distributed.storage.metadata import SafeFileSystemReader, read_metadata_safely
+from te_npu.distributed.storage.disk_space import DiskFullError, format_bytes, free_bytes, raise_if_disk_full
 from te_npu.distributed.optim import MasterWeightOptimizer, refresh_low_precision_weights
 from te_npu.tensor import QuantizedWeightTensor
 from te_npu.distributed import process_group

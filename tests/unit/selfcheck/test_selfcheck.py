@@ -1,7 +1,7 @@
 """``python -m te_npu.selfcheck`` through the vendor-faithful fake torch_npu (tests/fakes): every op
 agrees with the emulation and it exits 0; a fake that is wrong by one HiF8 ulp or one MX scale
-step is named, with a non-zero exit. The fake's documented differences (README Limits) show as
-"known difference", never as a pass or a failure."""
+step is named, with a non-zero exit. The fake's documented differences (the Limits of
+docs/numerics-and-limits.md) show as "known difference", never as a pass or a failure."""
 from __future__ import annotations
 
 import dataclasses

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from te_npu.training.blend import BlendBatcher, BlendPart, TokenBlend, blending_indices, normalize_weights
-from te_npu.training.sampling import TokenBatcher, validation_batches
-from te_npu.training.token_dataset import TokenDataset
+from te_npu.training.data.blend import BlendBatcher, BlendPart, TokenBlend, blending_indices, normalize_weights
+from te_npu.training.data.sampling import TokenBatcher, validation_batches
+from te_npu.training.data.token_dataset import TokenDataset
 
 SEQ = 8
 TAG = 1_000_000  # token value = dataset * TAG + offset: a window names its dataset and sample

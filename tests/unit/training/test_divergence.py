@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from te_npu.training.divergence import SPIKE_WINDOW, DivergenceGuard, TrainingDiverged
+from te_npu.training.guards.divergence import SPIKE_WINDOW, DivergenceGuard, TrainingDiverged
 
 
 LN_256 = math.log(256)

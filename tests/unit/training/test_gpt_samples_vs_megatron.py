@@ -5,11 +5,11 @@ weightless blend, train and valid), and the sampler's resume on another world si
 import numpy as np
 import pytest
 
-from te_npu.training import gpt_index
-from te_npu.training.megatron_data import read_global_samples
+from te_npu.training.data import gpt_index
+from te_npu.training.data.megatron_data import read_global_samples
 from te_npu.training.data import build_splits
 from te_npu.training.config import DataConfig
-from te_npu.training.sampling import make_batcher
+from te_npu.training.data.sampling import make_batcher
 from tests.megatron_reference import megatron, megatron_datasets, megatron_sample, write_with_megatron
 from tests.system.megatron_files import random_documents
 

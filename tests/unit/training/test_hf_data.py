@@ -12,7 +12,7 @@ import torch
 from te_npu import ConfigError
 from te_npu.training.config import DataConfig
 from te_npu.training.data import build_splits, check_token_ids
-from te_npu.training.indexed_dataset import MegatronIndexedDataset
+from te_npu.training.data.indexed_dataset import MegatronIndexedDataset
 
 datasets = pytest.importorskip("datasets", reason="data.kind hf reads with `datasets` (the test extra installs it)")
 tokenizers = pytest.importorskip("tokenizers", reason="the test trains a local tokenizer with `tokenizers`")
@@ -139,7 +139,7 @@ def stream_splits(tmp_path, **fields):
 
 
 def test_streamed_windows_are_the_cached_windows_in_file_order(tmp_path):
-    from te_npu.training.sampling import make_batcher
+    from te_npu.training.data.sampling import make_batcher
 
     streamed, _ = stream_splits(tmp_path, streaming=True)
     cached, _ = stream_splits(tmp_path)
@@ -159,7 +159,7 @@ def test_streaming_writes_no_cache(tmp_path):
 
 @pytest.mark.parametrize(("saved", "resumed"), [((2, 2), (1, 4)), ((1, 3), (2, 1))], ids=["2x2->1x4", "1x3->2x1"])
 def test_stream_batcher_resumes_exactly_on_any_layout_across_epochs(tmp_path, saved, resumed):
-    from te_npu.training.hf_stream import StreamBatcher
+    from te_npu.training.data.hf_stream import StreamBatcher
 
     splits, _ = stream_splits(tmp_path, streaming=True)
     continuous = StreamBatcher(splits.train, 1, 16, seed=0)
@@ -182,7 +182,7 @@ def test_stream_batcher_resumes_exactly_on_any_layout_across_epochs(tmp_path, sa
 
 
 def test_stream_state_refuses_other_data(tmp_path):
-    from te_npu.training.hf_stream import StreamBatcher
+    from te_npu.training.data.hf_stream import StreamBatcher
 
     splits, _ = stream_splits(tmp_path, streaming=True)
     state = StreamBatcher(splits.train, 2, 16, seed=0).state_dict()

@@ -5,7 +5,7 @@ import signal
 import pytest
 
 from te_npu import ConfigError
-from te_npu.training.divergence import TrainingDiverged
+from te_npu.training.guards.divergence import TrainingDiverged
 from te_npu.training.job import EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_OK, run_job
 
 
@@ -46,7 +46,7 @@ def test_job_error_prints_one_traceback_exit_1(capsys):
 
 
 def test_job_disk_full_is_one_line_exit_1(capsys):
-    from te_npu.distributed.disk_space import DiskFullError
+    from te_npu.distributed.storage.disk_space import DiskFullError
 
     message = "checkpoint.save of step 8 to /ckpt: /ckpt has 1.0 MiB free, the step needs about 3.4 GiB"
     assert run_job(_raise(DiskFullError(message))) == EXIT_ERROR

@@ -8,8 +8,8 @@ from te_npu import ConfigError
 from te_npu.training import data as data_module
 from te_npu.training.config import DataConfig, load_config
 from te_npu.training.data import build_splits, check_token_ids
-from te_npu.training.indexed_dataset import IndexFormatError, MegatronIndexedDataset, write_indexed_dataset
-from te_npu.training.sampling import make_batcher
+from te_npu.training.data.indexed_dataset import IndexFormatError, MegatronIndexedDataset, write_indexed_dataset
+from te_npu.training.data.sampling import make_batcher
 from tests.system.megatron_files import MEGATRON_CODES, random_documents, write_megatron
 
 
@@ -170,7 +170,7 @@ BLEND_CONFIGS = {
 
 @pytest.mark.parametrize("case", sorted(BLEND_CONFIGS))
 def test_config_accepts_blend_spellings(case):
-    from te_npu.training.blend import parse_blend
+    from te_npu.training.data.blend import parse_blend
 
     written, parsed = BLEND_CONFIGS[case]
     cfg = load_config({"data": {"kind": "megatron", "blend": written}})

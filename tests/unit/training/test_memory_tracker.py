@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from te_npu import compat
-from te_npu.training.memory_tracker import MemoryTracker
+from te_npu.training.capacity.memory_tracker import MemoryTracker
 
 
 @pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from te_npu.training.metrics_log import MetricsLogger, format_step_line, peak_memory_mb, read_metrics
+from te_npu.training.metrics.log import MetricsLogger, format_step_line, peak_memory_mb, read_metrics
 
 STEP = dict(lm_loss=5.123, lr=3e-4, grad_norm=1.2345, elapsed_ms=812.46, global_batch_size=8,
             consumed_samples=40, tokens_per_s=2520.7, skipped_iterations=0, peak_mem_mb=1234.5)

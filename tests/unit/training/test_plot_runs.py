@@ -1,8 +1,8 @@
 """scripts/plot_runs.py writes one PNG comparing runs from their metrics.jsonl."""
 import math
 
-from te_npu.training.metrics_log import MetricsLogger
-from te_npu.training.plots import read_run, series
+from te_npu.training.metrics.log import MetricsLogger
+from te_npu.training.metrics.plots import read_run, series
 
 
 def fake_run(path, scale):

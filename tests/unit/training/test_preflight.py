@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from te_npu import ConfigError
-from te_npu.training import preflight
+from te_npu.training.guards import preflight
 
 
 def _ckpt(directory, resume="auto", load_step=None):
@@ -114,7 +114,7 @@ def test_preflight_latest_outside_its_folder_is_refused(tmp_path):
 
 def test_preflight_a_step_published_but_not_renamed_is_the_resume_target(tmp_path):
     """A save killed between moving latest and the rename: its files are complete in step_8.tmp."""
-    from te_npu.distributed.checkpoint_manifest import hash_files, write_manifest
+    from te_npu.distributed.storage.manifest import hash_files, write_manifest
 
     _fake_step(tmp_path, 4)
     tmp = _fake_step(tmp_path, 8).rename(tmp_path / "step_8.tmp")
@@ -134,7 +134,7 @@ def _hf_like(directory):
 
 
 def test_preflight_export_dir_refuses_what_is_not_an_earlier_export_of_this_run(tmp_path):
-    from te_npu.distributed.hf_checkpoint import EXPORT_RECORD
+    from te_npu.distributed.storage.hf_checkpoint import EXPORT_RECORD
 
     source = _hf_like(tmp_path / "hf_source")  # e.g. the run's own checkpoint.initial_load_path
     message = _error(lambda: preflight.check_export_dir(str(source), "run", "checkpoint.export_dir"))

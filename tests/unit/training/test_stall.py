@@ -7,7 +7,7 @@ import time
 import pytest
 from torch.distributed import HashStore
 
-from te_npu.training.stall import StallWatch, period_for, waited_for
+from te_npu.training.guards.stall import StallWatch, period_for, waited_for
 
 TIMEOUT = 2.0  # seconds; heartbeats every 0.4 s
 
@@ -157,7 +157,7 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from te_npu.training.stall import rank_ranges  # noqa: E402
+from te_npu.training.guards.stall import rank_ranges  # noqa: E402
 
 
 def _put(store, rank, **record):

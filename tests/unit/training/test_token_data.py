@@ -209,7 +209,7 @@ def test_token_file_edited_after_its_header_fails_naming_the_file(tmp_path):
 
 
 def test_token_file_digest_is_skipped_above_the_limit(tmp_path):
-    from te_npu.training.token_checksum import check_sha256
+    from te_npu.training.data.token_checksum import check_sha256
 
     write_token_file(tmp_path / "ok", [("d", b"", np.arange(100))], vocab_size=256, tokenizer={}, eos_token_id=None,
                      split="x")

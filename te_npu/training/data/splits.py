@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from te_npu.errors import ConfigError
-from te_npu.training.blend import normalize_weights
+from te_npu.training.data.blend import normalize_weights
 
 __all__ = ["DataSplits", "DEFAULT_SPLIT", "TRAIN", "VALID", "TEST", "parse_split", "split_range"]
 

@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_npu.training.blend import blending_indices, normalize_weights
-from te_npu.training.gpt_index import IndexCache, blend_sizes, build_gpt_indices, separate_final_epoch
-from te_npu.training.indexed_dataset import MegatronIndexedDataset
-from te_npu.training.token_dataset import TokenDataset, describe_invalid_id, first_invalid_id, split_windows
+from te_npu.training.data.blend import blending_indices, normalize_weights
+from te_npu.training.data.gpt_index import IndexCache, blend_sizes, build_gpt_indices, separate_final_epoch
+from te_npu.training.data.indexed_dataset import MegatronIndexedDataset
+from te_npu.training.data.token_dataset import TokenDataset, describe_invalid_id, first_invalid_id, split_windows
 
 __all__ = ["GPTSource", "MegatronSplit", "GPTSamples", "BlendedSamples", "MegatronBatcher",
            "megatron_validation_batches"]

@@ -1,7 +1,7 @@
 """Deterministic, resumable samplers over token splits: ``TokenBatcher`` (one split, epochs of
-shuffled windows), ``BlendBatcher`` (a weighted blend, ``te_npu.training.blend``),
-``MegatronBatcher`` (Megatron's own samples and order, ``te_npu.training.gpt_samples``),
-``StreamBatcher`` (a streamed HF dataset, ``te_npu.training.hf_stream``) and the fixed validation
+shuffled windows), ``BlendBatcher`` (a weighted blend, ``te_npu.training.data.blend``),
+``MegatronBatcher`` (Megatron's own samples and order, ``te_npu.training.data.gpt_samples``),
+``StreamBatcher`` (a streamed HF dataset, ``te_npu.training.data.hf_stream``) and the fixed validation
 batches; ``make_batcher`` / ``validation_batches`` pick the one a split needs.
 
 A sample is a window of ``seq_len + 1`` tokens (``TokenDataset.windows``): ``input_ids =
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_npu.training.blend import BlendBatcher, TokenBlend, blend_validation_batches
-from te_npu.training.gpt_samples import MegatronBatcher, MegatronSplit, megatron_validation_batches
-from te_npu.training.hf_stream import HFStream, StreamBatcher, stream_validation_batches
+from te_npu.training.data.blend import BlendBatcher, TokenBlend, blend_validation_batches
+from te_npu.training.data.gpt_samples import MegatronBatcher, MegatronSplit, megatron_validation_batches
+from te_npu.training.data.hf_stream import HFStream, StreamBatcher, stream_validation_batches
 
 __all__ = ["TokenBatcher", "BlendBatcher", "StreamBatcher", "MegatronBatcher", "make_batcher", "validation_batches"]
 

@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 
 from te_npu.errors import ConfigError
-from te_npu.training.hf_stream import HFStream, fingerprint
-from te_npu.training.indexed_dataset import MegatronIndexedDataset, index_paths, smallest_token_dtype, \
+from te_npu.training.data.hf_stream import HFStream, fingerprint
+from te_npu.training.data.indexed_dataset import MegatronIndexedDataset, index_paths, smallest_token_dtype, \
     write_indexed_dataset
-from te_npu.training.megatron_data import check_validation_keys, document_split, open_indexed
-from te_npu.training.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split
+from te_npu.training.data.megatron_data import check_validation_keys, document_split, open_indexed
+from te_npu.training.data.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split
 
 __all__ = ["KEYS", "check_config", "build_hf", "load_tokenizer", "tokenized_cache", "open_stream", "data_files", "BUILDERS"]
 

@@ -1,7 +1,7 @@
 """Where each of a model's tensors lives in a Hugging Face checkpoint: key and shape planning.
 
 Pure functions over names and shapes (no tensors, no I/O), shared by the sharded reader and
-writer (``te_npu.distributed.hf_checkpoint``) and testable without a checkpoint.
+writer (``te_npu.distributed.storage.hf_checkpoint``) and testable without a checkpoint.
 
 A model family declares its mapping with an ``HFKeyMap`` (DeepSeek-V3's is
 ``models/deepseek_v3/hf_mapping.py``). Every tensor keeps its own FQN as its HF key, except

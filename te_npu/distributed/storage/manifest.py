@@ -88,7 +88,7 @@ def read_manifest(directory: str) -> dict[str, dict]:
     except FileNotFoundError:
         raise ManifestError(
             f"{path} is missing (an interrupted save, or a step saved before te_npu wrote manifests; for the "
-            f"latter, if you trust its files: python -m te_npu.distributed.checkpoint_manifest adopt {directory})"
+            f"latter, if you trust its files: python -m te_npu.distributed.storage.manifest adopt {directory})"
         ) from None
     except (OSError, ValueError) as exc:
         raise ManifestError(f"{path} is unreadable: {exc}") from None
@@ -155,7 +155,7 @@ def adopt_step(directory: str) -> int:
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m te_npu.distributed.checkpoint_manifest",
+    parser = argparse.ArgumentParser(prog="python -m te_npu.distributed.storage.manifest",
                                      description="Adopt a step saved before te_npu wrote manifests.")
     parser.add_argument("command", choices=["adopt"])
     parser.add_argument("step_dir", help="e.g. runs/x/checkpoints/step_100")

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_npu.training.token_dataset import describe_invalid_id, first_invalid_id, split_windows
+from te_npu.training.data.token_dataset import describe_invalid_id, first_invalid_id, split_windows
 
 __all__ = ["HFStream", "StreamBatcher", "stream_validation_batches"]
 

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
-from te_npu.training.metrics_log import read_metrics  # noqa: E402
+from te_npu.training.metrics.log import read_metrics  # noqa: E402
 
 __all__ = ["PANELS", "read_run", "series", "plot_runs"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_npu.training.token_checksum import check_sha256
+from te_npu.training.data.token_checksum import check_sha256
 
 __all__ = [
     "TokenDataset",
@@ -113,7 +113,7 @@ class TokenDataset:
                 f"{bin_path}: {bin_path.stat().st_size} bytes, expected num_tokens * itemsize = "
                 f"{num_tokens} * {dtype.itemsize}"
             )
-        check_sha256(bin_path, self.meta.get("sha256"))  # the header's digest (te_npu.training.token_checksum)
+        check_sha256(bin_path, self.meta.get("sha256"))  # the header's digest (te_npu.training.data.token_checksum)
         if num_tokens == 0:  # np.memmap cannot map an empty file
             self.tokens = np.zeros(0, dtype)
         else:

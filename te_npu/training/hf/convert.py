@@ -27,13 +27,13 @@ from torch.distributed.tensor import DTensor, Shard
 from te_npu.compat import non_persistent_buffer_names
 from te_npu.distributed.storage import dcp as checkpoint
 from te_npu.distributed.storage.dcp import persistent_buffers
-from te_npu.distributed.checkpoint_lock import acquire_folder_lock
-from te_npu.distributed.checkpoint_metadata import SafeFileSystemReader
-from te_npu.distributed.hf_checkpoint import HFWriteReport, save_hf_weights
+from te_npu.distributed.storage.lock import acquire_folder_lock
+from te_npu.distributed.storage.metadata import SafeFileSystemReader
+from te_npu.distributed.storage.hf_checkpoint import HFWriteReport, save_hf_weights
 from te_npu.distributed.optim import MasterWeightOptimizer
-from te_npu.distributed.progress import ProgressBar
+from te_npu.distributed.storage.progress import ProgressBar
 from te_npu.errors import ConfigError
-from te_npu.training import hf_weights
+from te_npu.training.hf import weights as hf_weights
 from te_npu.training.config import TrainConfig
 from te_npu.distributed import process_group
 

@@ -7,7 +7,7 @@ process group (this process plays rank 0 of ``world_size``; collectives move not
 production code: the config checks, the meta build, the shard plan and FSDP2 units, the 8-bit
 weights, the masters and moments, the initial values, then ``forward_backward`` for each
 micro-batch (the recipe's micro batch, sequence length and accumulation, or ``micro_batches``)
-and ``optimizer_step``. ``te_npu.training.memory_tracker.MemoryTracker`` counts the bytes of
+and ``optimizer_step``. ``te_npu.training.capacity.memory_tracker.MemoryTracker`` counts the bytes of
 every storage by stage and category.
 
 What runs differently, and why:
@@ -31,6 +31,10 @@ collectives move nothing, so every all-gather repeats this rank's shard) and rea
 process's peak RSS per stage from Linux (``/proc/self/status`` ``VmHWM``, reset per stage
 through ``/proc/self/clear_refs``): an independent measurement of what the estimate's
 emulation account says this CPU run holds.
+
+The capacity room of ``te_npu.training``: the estimate (this module, the package's entry, which
+``scripts/estimate_memory.py`` runs) and the memory tracker it counts with (``memory_tracker``).
+It sits above the Trainer it runs.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from te_npu.errors import ConfigError
 from te_npu.ops import emulation, force_backend
 from te_npu.tensor import QuantizedWeightTensor
 from te_npu.training.config import TrainConfig
-from te_npu.training.memory_tracker import CATEGORIES, MemoryTracker, StageMemory
+from te_npu.training.capacity.memory_tracker import CATEGORIES, MemoryTracker, StageMemory
 
 __all__ = ["ASCEND_950DT_HBM_GB", "A5_Q3_HBM_BYTES", "default_hbm_bytes", "FIT_MARGIN", "CapacityReport", "estimation_overrides", "estimate"]
 

@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from te_npu.errors import ConfigError
-from te_npu.training.blend import parse_blend
-from te_npu.training.gpt_samples import GPTSource, MegatronSplit
-from te_npu.training.indexed_dataset import IndexFormatError, MegatronIndexedDataset
-from te_npu.training.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split, split_range
-from te_npu.training.token_dataset import TokenDataset
+from te_npu.training.data.blend import parse_blend
+from te_npu.training.data.gpt_samples import GPTSource, MegatronSplit
+from te_npu.training.data.indexed_dataset import IndexFormatError, MegatronIndexedDataset
+from te_npu.training.data.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split, split_range
+from te_npu.training.data.token_dataset import TokenDataset
 
 __all__ = ["KEYS", "check_config", "build_megatron", "open_indexed", "document_split", "sequence_split",
            "read_global_samples"]

@@ -25,7 +25,7 @@ once ``check_config`` confirms it still describes the model; the architecture fi
 model's either way) and a copy of its tokenizer files and ``generation_config.json``
 (``SIDE_FILES``), so the export is a drop-in replacement of its source. It writes a
 ``te_npu_export.json`` (the run's lineage and step): the only kind of existing directory an
-export replaces (``te_npu.training.preflight.check_export_dir`` refuses any other before training).
+export replaces (``te_npu.training.guards.preflight.check_export_dir`` refuses any other before training).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from te_npu.distributed.storage.dcp import persistent_buffers
-from te_npu.distributed.hf_checkpoint import (
+from te_npu.distributed.storage.hf_checkpoint import (
     HFCheckpoint,
     HFReadReport,
     HFWriteReport,
@@ -47,8 +47,8 @@ from te_npu.distributed.hf_checkpoint import (
     open_hf_checkpoint,
     save_hf_weights,
 )
-from te_npu.distributed.hf_layout import HFKeyMap, plan_hf_read
-from te_npu.distributed.hf_layout import left_out_note as left_out_note_of
+from te_npu.distributed.storage.hf_layout import HFKeyMap, plan_hf_read
+from te_npu.distributed.storage.hf_layout import left_out_note as left_out_note_of
 from te_npu.distributed.optim import MasterWeightOptimizer
 from te_npu.errors import ConfigError
 

@@ -52,9 +52,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.tensor import DTensor
 
 from te_npu.compat import consolidate_safetensors_files, local_shape_and_global_offset
-from te_npu.distributed.disk_space import DiskFullError, format_bytes, free_bytes, raise_if_disk_full
-from te_npu.distributed.hf_layout import HFKeyMap, HFPiece, HFStoredTensor, plan_hf_read, plan_hf_write
-from te_npu.distributed.progress import ProgressBar
+from te_npu.distributed.storage.disk_space import DiskFullError, format_bytes, free_bytes, raise_if_disk_full
+from te_npu.distributed.storage.hf_layout import HFKeyMap, HFPiece, HFStoredTensor, plan_hf_read, plan_hf_write
+from te_npu.distributed.storage.progress import ProgressBar
 from te_npu.errors import ConfigError
 from te_npu.distributed import process_group
 

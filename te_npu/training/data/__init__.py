@@ -16,6 +16,12 @@ split (``DataSplits``). A new kind joins with one entry. Today:
   (``hf_data``), or tokenized as it is read (``streaming: true``, ``hf_stream``).
 
 The samplers live in ``sampling`` (re-exported here).
+
+This package is the data room of ``te_npu.training``: every data kind's reader (the modules
+above), blends (``blend``), Megatron's splits (``splits``), the samplers and the checksums
+(``token_checksum``), none of which imports anything else of ``te_npu.training``. Its entry is
+this module: ``check_data_config`` (the config's rules), ``build_splits`` (a ``data`` section ->
+the train and validation datasets) and ``check_token_ids``.
 """
 from __future__ import annotations
 
@@ -33,14 +39,14 @@ from typing import Any
 import numpy as np
 
 from te_npu.errors import ConfigError
-from te_npu.training import hf_data, megatron_data
-from te_npu.training.blend import TokenBlend
-from te_npu.training.gpt_samples import MegatronSplit
-from te_npu.training.megatron_data import read_global_samples
-from te_npu.training.hf_stream import HFStream
-from te_npu.training.splits import DataSplits
-from te_npu.training.sampling import TokenBatcher, make_batcher, validation_batches
-from te_npu.training.token_dataset import (
+from te_npu.training.data import hf_data, megatron_data
+from te_npu.training.data.blend import TokenBlend
+from te_npu.training.data.gpt_samples import MegatronSplit
+from te_npu.training.data.megatron_data import read_global_samples
+from te_npu.training.data.hf_stream import HFStream
+from te_npu.training.data.splits import DataSplits
+from te_npu.training.data.sampling import TokenBatcher, make_batcher, validation_batches
+from te_npu.training.data.token_dataset import (
     FORMAT_NAME,
     TokenDataset,
     byte_tokenize,

@@ -8,8 +8,8 @@ turns it into a ``ConfigError`` naming the key). Files larger than ``CHECKSUM_LI
 not hashed at open (that would cost every rank a full read per start); the per-batch token-id
 check still runs on them.
 
-Cost (``scripts/bench_checksum.py``, its ``sha256`` row): see the README's "Reliability"
-section; it is paid once per open of a split, on every rank, from the page cache after the first.
+Cost (``scripts/bench_checksum.py``, its ``sha256`` row): see docs/reliability.md
+("Validated before the build"); it is paid once per open of a split, on every rank, from the page cache after the first.
 """
 from __future__ import annotations
 

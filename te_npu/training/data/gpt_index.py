@@ -23,7 +23,7 @@ The rules, each the same arithmetic as Megatron-core's (``megatron/core/datasets
   index (uint32, int64 from 2**32 - 1 on); with a separate final epoch, the samples before it
   and the rest are shuffled apart.
 - **blend**: dataset ``i`` of weight ``w_i`` (normalised in float64) serves blend position
-  ``p`` when its error ``w_i * max(p, 1) - c_i`` is the largest (``te_npu.training.blend.blending_indices``).
+  ``p`` when its error ``w_i * max(p, 1) - c_i`` is the largest (``te_npu.training.data.blend.blending_indices``).
 
 Global sample ``i`` of a split is then the ``S + 1`` tokens between sample-index rows
 ``shuffle[i]`` and ``shuffle[i] + 1``: Megatron's ``GPTDataset[i]``.

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from te_npu.errors import ConfigError
-from te_npu.training.token_dataset import split_windows
+from te_npu.training.data.token_dataset import split_windows
 
 __all__ = [
     "BlendPart",

@@ -38,7 +38,7 @@ import re
 import shutil
 import uuid
 
-from te_npu.distributed.checkpoint_manifest import MANIFEST_NAME, ManifestError, fsync_dir, read_manifest, verify_files
+from te_npu.distributed.storage.manifest import MANIFEST_NAME, ManifestError, fsync_dir, read_manifest, verify_files
 from te_npu.errors import ConfigError
 
 __all__ = [

@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from te_npu.distributed import checkpoint_folder
+from te_npu.distributed.storage import folder as checkpoint_folder
 from te_npu.distributed.storage import dcp as checkpoint
-from te_npu.distributed.hf_checkpoint import export_owner
+from te_npu.distributed.storage.hf_checkpoint import export_owner
 from te_npu.errors import ConfigError
 
 __all__ = [
