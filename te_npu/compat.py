@@ -15,6 +15,8 @@ private name                                               used for
 ``torch.Tensor._make_wrapper_subclass``                    the quantized weight wrapper tensor
 ``torch._grouped_mm``                                      high-precision grouped GEMM (the BF16 path)
 ``torch.utils._pytree.tree_map``                           map over an aten call's nested arguments
+``torch.autograd._profiler_enabled``                       is a profiler recording (te_npu's op ranges
+                                                           open only then)
 ``torch.utils.cpp_extension._get_build_directory``         where torch builds the native kernels
                                                            (their build turn's lock lives there)
 ``torch._dynamo.config`` recompile limits                  compiled codecs: one graph per shape
@@ -74,6 +76,7 @@ __all__ = [
     "grouped_mm_takes_dtype",
     "tree_map",
     "extension_build_directory",
+    "profiler_enabled",
     "raise_dynamo_recompile_limits",
     "torch_dispatch_mode",
     "is_wrapper_subclass",
@@ -105,6 +108,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch", "_grouped_mm"),
     ("torch.utils._pytree", "tree_map"),
     ("torch.utils.cpp_extension", "_get_build_directory"),
+    ("torch.autograd", "_profiler_enabled"),
     ("torch._dynamo.config", "recompile_limit"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
@@ -187,6 +191,11 @@ def grouped_mm_takes_dtype(t: torch.Tensor) -> bool:
     (``_meta_grouped_mm_common``: "Expected inputs of BF16 type", CUDA's rule), while the CPU
     kernel itself takes FP32 / FP16 / BF16."""
     return t.dtype == torch.bfloat16 or not holds_no_data(t)
+
+
+def profiler_enabled() -> bool:
+    """Whether torch's autograd profiler is recording on this thread (cheap: one C call)."""
+    return torch.autograd._profiler_enabled()
 
 
 def extension_build_directory(name: str) -> str:

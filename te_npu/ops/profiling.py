@@ -7,7 +7,7 @@ Every quantization entry point of ``te_npu.ops.quantize`` runs inside a
 prefixes are the contract: ``te_npu.testing.time_shares`` classifies a trace by them.
 
 A range costs about 5 us even with no profiler recording, so :func:`op_range` opens one only
-while a profiler records: torch's own (``torch.autograd._profiler_enabled()``), or any other
+while a profiler records: torch's own (``compat.profiler_enabled()``), or any other
 one (e.g. ``torch_npu.profiler``, whose state torch may not see) inside :func:`ranges_forced`.
 Otherwise it is a ``nullcontext`` (about 0.1 us).
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from te_npu import compat
 
 __all__ = ["QUANT_RANGE", "GEMM_RANGE", "op_range", "ranges_forced"]
 
@@ -39,6 +41,6 @@ def ranges_forced():
 
 def op_range(label: str):
     """``record_function(label)`` while a profiler records, else a no-op context."""
-    if _forced or torch.autograd._profiler_enabled():
+    if _forced or compat.profiler_enabled():
         return torch.profiler.record_function(label)
     return contextlib.nullcontext()

@@ -39,8 +39,8 @@ RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 SUB_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "training": (
         ("data", "metrics", "guards", "schema", "schedule", "recompute", "mapped_files"),  # the rooms
-        ("config", "job", "launch_report"),   # the YAML sections (over data, schema); the entry point
-        ("hf", "launch"),                     # HF start / export / conversion (over config); the launcher
+        ("config", "launch_report"),          # the YAML sections (over data, schema); the launcher's summary
+        ("job", "hf", "launch"),              # the entry point; HF start / export / conversion (over config); the launcher
         ("trainer_storage",),                 # the Trainer's on-disk side
         ("trainer",),
         ("capacity", "__init__"),             # the estimate runs the Trainer; the package's names

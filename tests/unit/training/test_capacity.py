@@ -98,7 +98,7 @@ def test_estimate_tiny_hsdp_holds_the_shard_groups_bytes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("world, replicate", [(32, 4), (64, 8)])
 def test_estimate_16b_mxfp8_hsdp_fits_at_32_and_64_ranks(world, replicate, tmp_path):
-    """README's HSDP rows: 16B MXFP8 at 32 ranks (8 x 4) and 64 ranks (8 x 8) exits 0 with nothing
+    """docs/a5.md's HSDP rows: 16B MXFP8 at 32 ranks (8 x 4) and 64 ranks (8 x 8) exits 0 with nothing
     replicated, rank 0 holding the 8-rank shard group's resting bytes. (Flat, 32 ranks refuse it.)"""
     out = tmp_path / "report.json"
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "estimate_memory.py"), "--config",
