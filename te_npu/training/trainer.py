@@ -34,6 +34,7 @@ start and export, what a divergence does to the saved steps -- is ``TrainerStora
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import time
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ from te_npu.training.metrics.log import MetricsLogger, peak_memory_mb
 from te_npu.training.metrics.throughput import default_peak_tflops, step_throughput
 from te_npu.training.recompute import apply_activation_checkpointing
 from te_npu.training.schedule import lr_at
+from te_npu.training.task_step import LossParts, StepEnd, StepReport, as_loss_parts
 from te_npu.training.trainer_storage import TrainerStorage
 
 __all__ = ["TrainTask", "Trainer", "StepRecord"]
@@ -105,9 +107,15 @@ class TrainTask(Protocol):
     def low_precision_scope(self, model: nn.Module) -> list[str]:
         """FQNs of the model's TE modules."""
 
-    def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Scalar training loss of one micro-batch."""
+    def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | LossParts:
+        """Training loss of one micro-batch: a scalar, or ``LossParts`` (the total to backpropagate,
+        the language-model loss that ``lm loss`` and the divergence rules read, named extras;
+        ``te_npu.training.task_step``). Also called under ``torch.no_grad()`` for validation."""
 
+    # Optional: ``step_end(model, StepEnd) -> StepReport | None`` is called once per optimizer
+    # step, after its micro-batches and the optimizer step (skipped steps included; see
+    # ``te_npu.training.task_step``): the place for state a task updates once a step (e.g. an MoE
+    # router's expert bias) and for what it reports (metrics, a step-line summary, warnings).
     # Optional: ``hf_adapter(cfg) -> te_npu.training.hf.weights.HFAdapter`` lets the run start
     # from (``checkpoint.initial_load_path``) and export to (``last_save_format: hf``) Hugging Face;
     # ``flops_per_token(cfg) -> te_npu.training.metrics.throughput.ModelFlops`` lets the step line report
@@ -125,6 +133,10 @@ class StepRecord:
     updated: bool
     elapsed_ms: float
     tokens_per_s: float
+    loss_extras: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The task's named loss parts (``LossParts.extras``), averaged like ``lm_loss``."""
+    report: StepReport | None = None
+    """What the task's ``step_end`` reported for this step (None: no such hook)."""
 
 
 class Trainer(TrainerStorage):
@@ -408,13 +420,14 @@ class Trainer(TrainerStorage):
             self.stop.graceful = True
 
     # ---- one step ----------------------------------------------------------------------------
-    def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], loss_scale: float = 1.0) -> torch.Tensor:
-        """Loss of one micro-batch, with its gradient (times ``loss_scale``) accumulated."""
+    def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], loss_scale: float = 1.0) -> LossParts:
+        """Losses of one micro-batch (detached), the gradient of their total (times ``loss_scale``)
+        accumulated."""
         input_ids, labels = (x.to(self.device, non_blocking=True) for x in batch)
         with self._kernels(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
-            loss = self.task.loss(self.model, input_ids, labels)
-            (loss * loss_scale).backward()
-        return loss.detach()
+            parts = as_loss_parts(self.task.loss(self.model, input_ids, labels))
+            (parts.total * loss_scale).backward()
+        return parts.detached()
 
     def optimizer_step(self) -> StepResult:
         """Clip, update the FP32 masters and refresh 8-bit weights; skip if gradients are non-finite."""
@@ -451,22 +464,47 @@ class Trainer(TrainerStorage):
         start = time.perf_counter()
         with self._warm_up("step") as limit:  # each piece bounded by collective_timeout_s (warm-up: its own)
             with self._watch.phase("forward/backward", step + 1, limit_s=limit):
-                losses = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
+                parts = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
             with self._watch.phase("optimizer step", step + 1, limit_s=limit):
                 result = self.optimizer_step()
+            with self._watch.phase("task step end", step + 1, limit_s=limit):
+                report = self._task_step_end(step + 1, result.updated)
             with self._watch.phase("loss all-reduce", step + 1, limit_s=limit):
-                loss, self._stop_agreed = self._loss_and_stop(torch.stack(losses).float().mean())
+                losses, self._stop_agreed = self._losses_and_stop(parts)
                 self._synchronize()
         elapsed = time.perf_counter() - start
         self.global_step += 1
         tokens = sum(b[0].numel() for b in micro_batches) * self.world_size
-        return StepRecord(step + 1, loss, result.grad_norm, lr, result.updated, elapsed * 1e3, tokens / elapsed)
+        lm_loss = losses.pop("lm_loss")
+        return StepRecord(step + 1, lm_loss, result.grad_norm, lr, result.updated, elapsed * 1e3, tokens / elapsed,
+                          loss_extras=losses, report=report)
+
+    def _task_step_end(self, step: int, updated: bool) -> StepReport | None:
+        """The task's once-per-step hook (``TrainTask.step_end``), if it has one."""
+        hook = getattr(self.task, "step_end", None)
+        if hook is None:
+            return None
+        return hook(self.model, StepEnd(step=step, updated=updated, world_size=self.world_size,
+                                        all_reduce_sum=self._all_reduce_sum))
+
+    def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over every rank (a new tensor on ``value``'s device)."""
+        if self.world_size == 1:
+            return value.clone()
+        total = value.to(self._collective_device(), copy=True)
+        dist.all_reduce(total)
+        return total.to(value.device)
+
+    def evaluate(self) -> float:
+        """Mean validation language-model loss over ``training.eval_steps`` fixed batches (all ranks)."""
+        return self.evaluate_losses()["lm_loss"]
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over ``training.eval_steps`` fixed batches (all ranks)."""
+    def evaluate_losses(self) -> dict[str, float]:
+        """Mean validation losses over ``training.eval_steps`` fixed batches (all ranks):
+        ``lm_loss`` and the task's named extras (``LossParts.extras``), one all-reduce."""
         t = self.cfg.training
-        losses = []
+        parts = []
         batches = validation_batches(
             self.val_data, t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
             world_size=self.world_size, vocab_size=self.vocab_size, seed=t.seed,
@@ -474,8 +512,10 @@ class Trainer(TrainerStorage):
         with self._warm_up("evaluation") as limit, self._watch.phase("evaluation", self.global_step, limit_s=limit), \
                 self._kernels(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             for input_ids, labels in batches:
-                losses.append(self.task.loss(self.model, input_ids.to(self.device), labels.to(self.device)))
-            return self._mean_over_ranks(torch.stack(losses).float().mean())
+                loss = self.task.loss(self.model, input_ids.to(self.device), labels.to(self.device))
+                parts.append(as_loss_parts(loss).detached())
+            names, values = _stack_parts(parts)
+            return dict(zip(names, self._all_reduce_sum(values).div(self.world_size).tolist()))
 
     def _warm_up_s(self) -> float:
         t = self.cfg.training
@@ -535,13 +575,17 @@ class Trainer(TrainerStorage):
             record = self.train_step()
             records.append(record)
             step = record.step
+            report = record.report or StepReport()
+            for warning in report.warnings:
+                self._print_rank0(f" warning: {warning}")
             if step % t.log_interval == 0 or step == t.train_steps:
                 self.logger.log_step(
                     step, lm_loss=record.lm_loss, lr=record.lr, grad_norm=record.grad_norm,
                     elapsed_ms=record.elapsed_ms, global_batch_size=global_batch,
                     consumed_samples=self.batcher.consumed_samples, tokens_per_s=record.tokens_per_s,
                     skipped_iterations=self.skipped_iterations, peak_mem_mb=peak_memory_mb(self.device),
-                    **self._throughput(record),
+                    **self._throughput(record), losses=record.loss_extras, extra=dict(report.metrics),
+                    summary=report.summary,
                 )
             try:
                 guard.check(step, record.lm_loss, record.updated, record.grad_norm)
@@ -554,7 +598,8 @@ class Trainer(TrainerStorage):
                 self._print_rank0(f" stopped on SIGTERM after iteration {step} (checkpoint saved)")
                 return records
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.train_steps):
-                self.logger.log_validation(step, lm_loss=self.evaluate())
+                losses = self.evaluate_losses()
+                self.logger.log_validation(step, lm_loss=losses.pop("lm_loss"), losses=losses)
             save_due = save_due or bool(c.interval and step % c.interval == 0)
             if save_due and step != t.train_steps:
                 if guard.suspect:
@@ -626,21 +671,14 @@ class Trainer(TrainerStorage):
         plot_runs([(Path(self.cfg.logging.dir).name, read_run(Path(self.cfg.logging.dir), self.cfg.logging.metrics_jsonl))], out)
         self._print_rank0(f" wrote {out}")
 
-    def _loss_and_stop(self, loss: torch.Tensor) -> tuple[float, bool]:
-        """Mean loss over ranks and whether any rank asked to stop (one all-reduce for both)."""
+    def _losses_and_stop(self, parts: list[LossParts]) -> tuple[dict[str, float], bool]:
+        """Each loss part's mean over the micro-batches and ranks (``lm_loss`` and the extras), and
+        whether any rank asked to stop: one all-reduce for all of them."""
+        names, values = _stack_parts(parts)
         stop = float(self.stop is not None and self.stop.signum is not None)
-        if self.world_size == 1:
-            return float(loss), bool(stop)
-        both = torch.stack([loss.detach().float(), torch.tensor(stop)]).to(self._collective_device())
-        dist.all_reduce(both)
-        return float(both[0] / self.world_size), bool(both[1] > 0)
-
-    def _mean_over_ranks(self, value: torch.Tensor) -> float:
-        if self.world_size > 1:
-            value = value.to(self._collective_device())
-            dist.all_reduce(value)
-            value = value / self.world_size
-        return float(value)
+        summed = self._all_reduce_sum(torch.cat([values, torch.tensor([stop], device=values.device)]))
+        means = summed[:-1].div(self.world_size).tolist()
+        return dict(zip(names, means)), bool(summed[-1] > 0)
 
     def _collective_device(self) -> torch.device:
         return torch.device("cpu") if dist.get_backend() == "gloo" else self.device
@@ -656,6 +694,15 @@ class Trainer(TrainerStorage):
     def _print_rank0(self, line: str) -> None:
         if self.rank == 0:
             self._print(line)
+
+
+def _stack_parts(parts: list[LossParts]) -> tuple[list[str], torch.Tensor]:
+    """(names, FP32 ``[len(names)]``): each part's mean over ``parts``, ``lm_loss`` first, then the
+    extras in sorted order (the same order on every rank)."""
+    names = ["lm_loss", *sorted(parts[0].extras)]
+    columns = [torch.stack([p.lm_loss for p in parts])]
+    columns += [torch.stack([p.extras[name] for p in parts]) for name in names[1:]]
+    return names, torch.stack([c.float().mean() for c in columns])
 
 
 def _other_dtype_modules(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:

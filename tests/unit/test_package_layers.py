@@ -38,7 +38,7 @@ RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 SUB_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "training": (
-        ("data", "metrics", "guards", "schema", "schedule", "recompute", "mapped_files"),  # the rooms
+        ("data", "metrics", "guards", "schema", "schedule", "recompute", "mapped_files", "task_step"),  # the rooms
         ("config", "launch_report"),          # the YAML sections (over data, schema); the launcher's summary
         ("job", "hf", "launch"),              # the entry point; HF start / export / conversion (over config); the launcher
         ("trainer_storage",),                 # the Trainer's on-disk side

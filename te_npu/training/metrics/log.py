@@ -7,9 +7,14 @@ Only rank 0 writes: on other ranks ``MetricsLogger`` is silent and creates no fi
 - ``{"kind": "config", "time", "config": {...}}`` - the resolved config, once per start;
 - ``{"kind": "train", "step", "train_steps", "time", "lm_loss", "lr", "grad_norm",
   "elapsed_ms", "tokens_per_s", "global_batch_size", "consumed_samples",
-  "skipped_iterations", "peak_mem_mb", "tflops", "mfu", ...extra}`` (``tflops``: model TFLOP/s per
-  device, ``mfu``: its share of the device's peak; null where unknown);
-- ``{"kind": "val", "step", "time", "lm_loss", "ppl"}``.
+  "skipped_iterations", "peak_mem_mb", "tflops", "mfu", ...losses, ...extra}`` (``tflops``: model
+  TFLOP/s per device, ``mfu``: its share of the device's peak; null where unknown; ``losses``: a
+  task's named loss parts beside ``lm_loss``, e.g. ``balance_loss``; ``extra``: what the task
+  reports per step, e.g. per-layer routing figures);
+- ``{"kind": "val", "step", "time", "lm_loss", "ppl", ...losses}``.
+
+TensorBoard gets the fixed tags below, each loss part as ``<name>/train`` (``<name>/validation``)
+and every numeric ``extra`` value under its own key.
 
 - ``{"kind": "resume", "step", "time", "redone"}`` - a resumed run continues the file from ``step``.
 
@@ -31,7 +36,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +72,13 @@ def format_step_line(
     peak_mem_mb: float | None,
     tflops: float | None = None,
     mfu: float | None = None,
+    losses: Mapping[str, float] | None = None,
+    summary: str | None = None,
 ) -> str:
     """One Megatron-style training line (``grad_norm`` None when clipping is off and unmeasured;
-    ``tflops`` / ``mfu`` shown when the model's FLOPs / the device's peak are known)."""
+    ``tflops`` / ``mfu`` shown when the model's FLOPs / the device's peak are known; each of
+    ``losses`` after ``lm loss`` as ``<name with spaces>: value``, Megatron's way of printing its
+    MoE / MTP losses; ``summary`` (a task's short report) last)."""
     fields = [
         f" iteration {step:8d}/{train_steps:8d}",
         f"consumed samples: {consumed_samples:12d}",
@@ -77,6 +86,7 @@ def format_step_line(
         f"learning rate: {lr:.3E}",
         f"global batch size: {global_batch_size:5d}",
         f"lm loss: {lm_loss:.6E}",
+        *(f"{_loss_label(name)}: {value:.6E}" for name, value in (losses or {}).items()),
         f"grad norm: {'n/a' if grad_norm is None else f'{grad_norm:.3f}'}",
         f"skipped iterations: {skipped_iterations:3d}",
         f"tokens/s: {tokens_per_s:.1f}",
@@ -85,12 +95,21 @@ def format_step_line(
         fields.append(f"throughput per device (TFLOP/s/device): {tflops:.3g}")
         fields.append(f"MFU: {'n/a' if mfu is None else f'{mfu:.1%}'}")
     fields.append(f"peak mem (MB): {'n/a' if peak_mem_mb is None else f'{peak_mem_mb:.1f}'}")
+    if summary:
+        fields.append(summary)
     return " | ".join(fields) + " |"
 
 
-def format_validation_line(*, step: int, lm_loss: float) -> str:
-    """Megatron's validation line: loss and perplexity."""
-    return f" validation loss at iteration {step} | lm loss value: {lm_loss:.6E} | lm loss PPL: {_ppl(lm_loss):.6E} |"
+def format_validation_line(*, step: int, lm_loss: float, losses: Mapping[str, float] | None = None) -> str:
+    """Megatron's validation line: loss and perplexity, then each named loss part's value."""
+    extra = "".join(f" {_loss_label(name)} value: {value:.6E} |" for name, value in (losses or {}).items())
+    return (f" validation loss at iteration {step} | lm loss value: {lm_loss:.6E} | lm loss PPL: "
+            f"{_ppl(lm_loss):.6E} |{extra}")
+
+
+def _loss_label(name: str) -> str:
+    """``balance_loss`` -> ``balance loss`` (a loss part's name as the step line prints it)."""
+    return name.replace("_", " ")
 
 
 def peak_memory_mb(device: torch.device | str) -> float:
@@ -161,9 +180,15 @@ class MetricsLogger:
         peak_mem_mb: float | None = None,
         tflops: float | None = None,
         mfu: float | None = None,
+        losses: Mapping[str, float] | None = None,
         extra: dict[str, Any] | None = None,
+        summary: str | None = None,
     ) -> str | None:
-        """Print the step line and record it; returns the line (None on ranks != 0)."""
+        """Print the step line and record it; returns the line (None on ranks != 0).
+
+        ``losses``: named loss parts beside ``lm_loss`` (line, record, ``<name>/train`` scalars);
+        ``extra``: more record fields (numeric ones also TensorBoard scalars under their key);
+        ``summary``: appended to the step line."""
         if not self.enabled:
             return None
         values = dict(
@@ -179,21 +204,29 @@ class MetricsLogger:
             tflops=None if tflops is None else float(tflops),
             mfu=None if mfu is None else float(mfu),
         )
-        line = format_step_line(step=step, train_steps=self.train_steps, **values)
+        losses = {name: float(value) for name, value in (losses or {}).items()}
+        line = format_step_line(step=step, train_steps=self.train_steps, **values, losses=losses, summary=summary)
         self._print(line)
         record = {"kind": "train", "step": step, "train_steps": self.train_steps, "time": time.time(), **values}
-        self._write({**record, **(extra or {})})
-        self._scalars(step, {tag: values[key] for tag, key in _TB_TAGS.items()})
+        self._write({**record, **losses, **(extra or {})})
+        self._scalars(step, {
+            **{tag: values[key] for tag, key in _TB_TAGS.items()},
+            **{f"{name}/train": value for name, value in losses.items()},
+            **_numeric(extra or {}),
+        })
         return line
 
-    def log_validation(self, step: int, *, lm_loss: float) -> str | None:
-        """Print and record a validation result (mean loss over the eval batches)."""
+    def log_validation(self, step: int, *, lm_loss: float, losses: Mapping[str, float] | None = None) -> str | None:
+        """Print and record a validation result (mean losses over the eval batches)."""
         if not self.enabled:
             return None
-        line = format_validation_line(step=step, lm_loss=float(lm_loss))
+        losses = {name: float(value) for name, value in (losses or {}).items()}
+        line = format_validation_line(step=step, lm_loss=float(lm_loss), losses=losses)
         self._print(line)
-        self._write({"kind": "val", "step": step, "time": time.time(), "lm_loss": float(lm_loss), "ppl": _ppl(lm_loss)})
-        self._scalars(step, {"lm-loss/validation": float(lm_loss)})
+        self._write({"kind": "val", "step": step, "time": time.time(), "lm_loss": float(lm_loss), "ppl": _ppl(lm_loss),
+                     **losses})
+        self._scalars(step, {"lm-loss/validation": float(lm_loss),
+                             **{f"{name}/validation": value for name, value in losses.items()}})
         return line
 
     def resume_at(self, step: int) -> int:
@@ -293,6 +326,11 @@ def _open_tensorboard(path: Path, print_fn: Callable[[str], None]) -> Any:
         print_fn(f"note: TensorBoard logging requested but unavailable ({exc}); continuing without it")
         return None
     return SummaryWriter(log_dir=str(path))
+
+
+def _numeric(extra: Mapping[str, Any]) -> dict[str, float]:
+    """The plain numbers of ``extra`` (not bools, nested mappings or text): TensorBoard scalars."""
+    return {k: float(v) for k, v in extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _ppl(loss: float) -> float:

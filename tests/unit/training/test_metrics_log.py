@@ -122,3 +122,42 @@ def test_metrics_fresh_run_in_a_used_dir_starts_clean_and_names_the_old_file(tmp
                      f"metrics.1.jsonl and metrics.1.redone.jsonl in {run}",
                      f" note: {run / 'metrics.jsonl'} held an earlier run's records (this run starts fresh): moved to "
                      f"metrics.2.jsonl in {run}"], moved
+
+
+class _RecordingWriter:
+    """Stands in for ``SummaryWriter`` (the tensorboard package is optional): records scalars."""
+
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[(tag, step)] = value
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_metrics_loss_parts_and_task_report_reach_line_record_and_tensorboard(tmp_path, monkeypatch):
+    import te_npu.training.metrics.log as log_module
+
+    writer = _RecordingWriter()
+    monkeypatch.setattr(log_module, "_open_tensorboard", lambda path, print_fn: writer)
+    printed = []
+    with MetricsLogger(tmp_path, train_steps=10, print_fn=printed.append, tensorboard=True) as log:
+        line = log.log_step(3, **STEP, losses={"balance_loss": 1.25e-4},
+                            extra={"moe/layer_1/load_cv": 0.5, "note": "text", "flag": True},
+                            summary="routing: layer 1 cv 0.50")
+        val = log.log_validation(3, lm_loss=2.0, losses={"mtp_1_loss": 3.0})
+    assert "| lm loss: 5.123000E+00 | balance loss: 1.250000E-04 | grad norm:" in line
+    assert line.endswith("| routing: layer 1 cv 0.50 |")
+    assert val.endswith("| mtp 1 loss value: 3.000000E+00 |")
+    train, valid = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert train["balance_loss"] == 1.25e-4 and train["moe/layer_1/load_cv"] == 0.5 and train["note"] == "text"
+    assert valid["mtp_1_loss"] == 3.0 and valid["lm_loss"] == 2.0
+    assert writer.scalars[("balance_loss/train", 3)] == 1.25e-4
+    assert writer.scalars[("moe/layer_1/load_cv", 3)] == 0.5
+    assert writer.scalars[("mtp_1_loss/validation", 3)] == 3.0
+    assert ("note", 3) not in writer.scalars and ("flag", 3) not in writer.scalars  # only plain numbers
