@@ -5,7 +5,7 @@ and a model task declares its ``model`` section the same way (``models/deepseek_
 
 A section is a frozen dataclass. A field's type annotation is its schema (``bool``, ``int``,
 ``float``, ``str``, ``None``, ``Literal[...]``, unions of these, ``Mapping[str, Any]``,
-``Any``); its metadata, set with :func:`option`, holds range limits (``ge`` / ``gt`` / ``le``
+``Any``, or another section class: a nested sub-section, built the same way under its key); its metadata, set with :func:`option`, holds range limits (``ge`` / ``gt`` / ``le``
 / ``lt``) and the ``reason`` quoted when a value is refused. :func:`build_section` rejects
 unknown keys, wrong types (``true`` is not an int here, although ``bool`` subclasses ``int``
 in Python) and out-of-range values, then constructs the dataclass, whose ``__post_init__``
@@ -105,7 +105,7 @@ def section_to_dict(section: Any) -> Any:
     if hasattr(section, "to_config"):
         return section.to_config()
     if dataclasses.is_dataclass(section):
-        return {f.name: thaw(getattr(section, f.name)) for f in dataclasses.fields(section)}
+        return {f.name: section_to_dict(getattr(section, f.name)) for f in dataclasses.fields(section)}
     return thaw(section)
 
 
@@ -123,6 +123,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return freeze(value)
+    if dataclasses.is_dataclass(tp):  # a nested sub-section
+        return build_section(tp, value, path)
     if origin in (Union, types.UnionType):
         for arg in get_args(tp):
             try:
@@ -177,7 +179,7 @@ def _describe(tp: Any) -> str:
         return " or ".join(repr(c) for c in get_args(tp))
     if tp is type(None):
         return "null"
-    if origin is Mapping or tp is Mapping:
+    if origin is Mapping or tp is Mapping or dataclasses.is_dataclass(tp):
         return "a mapping"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, repr(tp))
 

@@ -106,3 +106,24 @@ def test_schema_overrides_are_yaml_12_and_nest():
 def test_schema_option_refuses_unknown_limits():
     with pytest.raises(TypeError, match="unknown limit"):
         option(1, at_least=1)
+
+
+@dataclass(frozen=True)
+class Outer:
+    """A section holding a nested sub-section (a dataclass-typed field)."""
+
+    toy: Toy = field(default_factory=Toy)
+    label: str = "x"
+
+
+def test_schema_nested_section_is_checked_under_its_key_and_round_trips():
+    outer = build_section(Outer, {"toy": {"count": 4}}, "model")
+    assert outer.toy == Toy(count=4) and build_section(Outer, None, "model").toy == Toy()
+    assert section_to_dict(outer)["toy"]["count"] == 4
+    assert build_section(Outer, section_to_dict(outer), "model") == outer
+    with pytest.raises(ConfigError, match=r"^model\.toy\.count: 9 is out of range"):
+        build_section(Outer, {"toy": {"count": 9}}, "model")
+    with pytest.raises(ConfigError, match=r"^model\.toy\.nope: unknown key"):
+        build_section(Outer, {"toy": {"nope": 1}}, "model")
+    with pytest.raises(ConfigError, match=r"^model\.toy: expected a mapping"):
+        build_section(Outer, {"toy": 3}, "model")
