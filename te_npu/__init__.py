@@ -7,7 +7,7 @@ from te_npu.autocast import (
     is_autocast_enabled,
     quantized_model_init,
 )
-from te_npu.activation_checkpoint import checkpoint
+from te_npu.activation_checkpoint import checkpoint, is_recomputing
 from te_npu.errors import ConfigError, LowPrecisionUnavailableError
 from te_npu.formats import Format, QuantizationRole
 from te_npu.modules import TEGroupedLinear, TEGroupedSwiGLUExperts, TELinear, TEModule, assign_fqns
@@ -30,6 +30,7 @@ __all__ = [
     "quantized_model_init",
     "fp8_model_init",
     "checkpoint",
+    "is_recomputing",
     "recipe",
     "events",
     "distributed",

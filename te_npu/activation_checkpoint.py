@@ -30,9 +30,10 @@ import torch.utils.checkpoint
 from torch import nn
 
 from te_npu.autocast import autocast, get_autocast_state
+from te_npu.compat import in_autograd_backward
 from te_npu.errors import ConfigError
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "is_recomputing"]
 
 # TE's te.checkpoint arguments with no counterpart here -> the only accepted value, why
 _TE_ONLY_ARGUMENTS = {
@@ -72,6 +73,14 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
                                              **options, **kwargs)
+
+
+def is_recomputing() -> bool:
+    """True when a forward running now is an activation recompute's replay (it runs inside the
+    backward pass, on the autograd engine's graph task), in either ``use_reentrant`` mode. Code
+    that keeps per-forward state (an MoE router counting its tokens) checks it so that a
+    recomputed layer is not counted twice."""
+    return in_autograd_backward()
 
 
 def _reentrant(function, args: tuple, kwargs: dict, user_context_fn, state, options: dict) -> Any:

@@ -21,6 +21,7 @@ from torch import nn
 
 import te_npu
 from models.deepseek_v3.config import DeepseekV3Config
+from models.deepseek_v3.load_balance import sequence_balance_loss
 
 __all__ = ["DeepseekV3ForCausalLM", "CausalLMOutput", "materialize_", "init_weights_", "initial_value",
            "low_precision_scope"]
@@ -118,7 +119,14 @@ class SwiGLUMLP(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """FP32 sigmoid router; ``e_score_correction_bias`` steers selection only, never the weights."""
+    """FP32 sigmoid router; ``e_score_correction_bias`` steers selection only, never the weights.
+
+    In a training forward (``self.training``, not an activation recompute's replay) it counts the
+    experts its top-k picks (``model.eval()`` for evaluation) and, when ``seq_aux_loss_coeff > 0``
+    and gradients are on, computes the sequence-wise balance loss (``load_balance.py``, which
+    also moves the bias once per step from the counts). Under ``te_npu.checkpoint(...,
+    use_reentrant=True)`` the checkpointed forward runs without gradients, so it is counted but
+    computes no balance loss: the Trainer's recompute is non-reentrant."""
 
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
@@ -126,10 +134,26 @@ class TopKRouter(nn.Module):
         self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.seq_aux_loss_coeff = 0.0  # alpha of the sequence-wise balance loss (0: not computed)
+        self.balance_loss: torch.Tensor | None = None  # the last training forward's, until the model takes it
+        self._step_counts: torch.Tensor | None = None  # int64 [E]: picks per expert since the last step end
+        self._step_loss: torch.Tensor | None = None  # FP32 []: the step's balance losses, summed (detached)
+        self._step_forwards = 0
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: ``[T, D]`` -> (weights FP32 ``[T, K]``, expert ids ``[T, K]``)."""
+    def forward(self, x_TD: torch.Tensor, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: ``[T, D]`` (``batch`` sequences of ``T / batch`` tokens) -> (weights FP32 ``[T, K]``,
+        expert ids ``[T, K]``)."""
         scores_TE = F.linear(x_TD.float(), self.weight.float()).sigmoid()
+        topk_ids_TK = self._choose(scores_TE)
+        weights_TK = scores_TE.gather(1, topk_ids_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.training:
+            self._count(topk_ids_TK, scores_TE, batch)
+        return weights_TK * self.routed_scaling_factor, topk_ids_TK
+
+    def _choose(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """Expert ids ``[T, K]``: top-k of the biased scores within the best ``topk_group`` groups."""
         choice_TE = scores_TE + self.e_score_correction_bias
         T, E = choice_TE.shape
         if self.n_group > 1:  # keep the topk_group groups whose top-2 scores sum highest
@@ -138,11 +162,36 @@ class TopKRouter(nn.Module):
             keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx_TG, True)
             keep_TE = repeat(keep_TG, "t g -> t (g e)", e=E // self.n_group)
             choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
-        topk_ids_TK = choice_TE.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights_TK = scores_TE.gather(1, topk_ids_TK)
-        if self.norm_topk_prob:
-            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights_TK * self.routed_scaling_factor, topk_ids_TK
+        return choice_TE.topk(self.top_k, dim=-1, sorted=False)[1]
+
+    def _count(self, topk_ids_TK: torch.Tensor, scores_TE: torch.Tensor, batch: int) -> None:
+        """One training forward: add its picks to the step's counts; its balance loss. A recompute's
+        replay computes the loss again (it must save what the forward saved) but counts nothing."""
+        loss = None
+        if self.seq_aux_loss_coeff > 0 and torch.is_grad_enabled():
+            loss = sequence_balance_loss(scores_TE.reshape(batch, -1, scores_TE.shape[-1]), self.top_k,
+                                         self.seq_aux_loss_coeff)
+        if te_npu.is_recomputing():
+            return
+        if self._step_counts is None or self._step_counts.device != topk_ids_TK.device:
+            self._step_counts = torch.zeros(scores_TE.shape[-1], dtype=torch.int64, device=topk_ids_TK.device)
+            self._step_loss = torch.zeros((), dtype=torch.float32, device=topk_ids_TK.device)
+        flat_ids = topk_ids_TK.flatten()
+        self._step_counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int64))
+        self._step_forwards += 1
+        if loss is not None:
+            self.balance_loss = loss
+            self._step_loss += loss.detach()
+
+    def take_step_counts(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(picks per expert int64 ``[E]``, summed balance loss FP32 ``[]``, training forwards) since
+        the last call; the counts start again from zero."""
+        E, device = self.e_score_correction_bias.shape[0], self.e_score_correction_bias.device
+        counts = self._step_counts if self._step_counts is not None else torch.zeros(E, dtype=torch.int64, device=device)
+        loss = self._step_loss if self._step_loss is not None else torch.zeros((), device=device)
+        taken = (counts, loss, self._step_forwards)
+        self._step_counts, self._step_loss, self._step_forwards = None, None, 0
+        return taken
 
 
 class DeepSeekMoE(nn.Module):
@@ -158,7 +207,7 @@ class DeepSeekMoE(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        weights_TK, topk_ids_TK = self.gate(x_TD)
+        weights_TK, topk_ids_TK = self.gate(x_TD, batch=x_BSD.shape[0])
         x_sorted_XD, m_splits_E, row_map_X = te_npu.moe.permute(x_TD, topk_ids_TK, self.num_experts)  # X = T*K
         routed_TD = te_npu.moe.unpermute(self.experts(x_sorted_XD, m_splits_E), row_map_X, weights_TK)
         return (routed_TD + self.shared_experts(x_TD)).view_as(x_BSD)
@@ -201,6 +250,8 @@ class DeepseekV3Model(nn.Module):
 class CausalLMOutput:
     logits: torch.Tensor                 # [B, S, O]
     loss: torch.Tensor | None = None     # mean next-token cross-entropy over labels != -100
+    balance_loss: torch.Tensor | None = None  # FP32 []: the MoE layers' sequence-wise balance losses, summed
+    # (a training forward with seq_aux_loss_coeff > 0; not in ``loss``: add it to what you backpropagate)
 
 
 def causal_lm_loss(logits_BSO: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -229,7 +280,26 @@ class DeepseekV3ForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         logits_BSO = self.lm_head(self.model(input_ids, position_ids))
-        return CausalLMOutput(logits_BSO, None if labels is None else causal_lm_loss(logits_BSO, labels))
+        return CausalLMOutput(logits_BSO, None if labels is None else causal_lm_loss(logits_BSO, labels),
+                              balance_loss=self._take_balance_losses())
+
+    def routers(self) -> list[TopKRouter]:
+        """Every MoE router of the model, in module order."""
+        return [m for m in self.modules() if isinstance(m, TopKRouter)]
+
+    def set_seq_aux_loss_coeff(self, coeff: float) -> None:
+        """alpha of the sequence-wise balance loss, for every router (0: none computed)."""
+        for router in self.routers():
+            router.seq_aux_loss_coeff = float(coeff)
+
+    def _take_balance_losses(self) -> torch.Tensor | None:
+        """The routers' balance losses of this forward, summed (None when none computed one)."""
+        losses = []
+        for router in self.routers():
+            if router.balance_loss is not None:
+                losses.append(router.balance_loss)
+                router.balance_loss = None
+        return torch.stack(losses).sum() if losses else None
 
 
 def initial_value(model: nn.Module, fqn: str, seed: int) -> torch.Tensor:
@@ -244,6 +314,9 @@ def initial_value(model: nn.Module, fqn: str, seed: int) -> torch.Tensor:
         return torch.ones(shape)
     if name == "e_score_correction_bias":
         return torch.zeros(shape)
+    if name in dict(module.named_buffers(recurse=False)):  # a buffer this function does not know
+        raise ValueError(f"initial_value: no rule for buffer {fqn!r} (only the router's e_score_correction_bias, "
+                         "which starts at 0, is known); add one rather than drawing it as a weight")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{module_name}.{name}".encode()))
     value = torch.empty(shape, dtype=torch.float32).normal_(0.0, model.config.initializer_range, generator=gen)
     if isinstance(module, nn.Embedding) and module.padding_idx is not None and name == "weight":

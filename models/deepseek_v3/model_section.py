@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import te_npu
 from models.deepseek_v3.config import DSV3_16B, DSV3_TINY, DeepseekV3Config, from_hf_config, to_hf_config_dict
-from te_npu.training.schema import show
+from te_npu.training.schema import option, show
 
-__all__ = ["DeepseekV3ModelSection", "HF_DEEPSEEK_V3_FIELDS", "PRESETS"]
+__all__ = ["DeepseekV3ModelSection", "LoadBalanceSection", "HF_DEEPSEEK_V3_FIELDS", "PRESETS"]
 
 PRESETS: Mapping[str, DeepseekV3Config] = MappingProxyType({"dsv3_16b": DSV3_16B, "dsv3_tiny": DSV3_TINY})
 """``model.preset`` name -> its ``DeepseekV3Config``."""
@@ -43,6 +43,25 @@ HF_DEEPSEEK_V3_FIELDS = frozenset(
 
 
 @dataclass(frozen=True)
+class LoadBalanceSection:
+    """``model.load_balance``: DeepSeek-V3's expert balancing (``models/deepseek_v3/load_balance.py``).
+
+    ``bias_update_rate``: gamma of the auxiliary-loss-free rule, the step each router bias moves
+    by against the sign of its expert's load error, once per optimizer step (DeepSeek-V3: 1e-3;
+    0 switches it off). ``bias_update_until_step``: the last step that moves the biases (the
+    report sets gamma to 0 for the last part of training); null: every step.
+    ``seq_aux_loss_coeff``: alpha of the complementary sequence-wise balance loss (DeepSeek-V3:
+    1e-4; 0 switches it off). ``idle_expert_warn_steps``: an expert that gets no token for this
+    many steps in a row is named in a warning line (again every as many steps).
+    """
+
+    bias_update_rate: float = option(1e-3, ge=0.0)
+    bias_update_until_step: int | None = option(None, ge=0)
+    seq_aux_loss_coeff: float = option(1e-4, ge=0.0)
+    idle_expert_warn_steps: int = option(50, ge=1)
+
+
+@dataclass(frozen=True)
 class DeepseekV3ModelSection:
     """What model to build: an HF ``config.json`` (file or directory) or a named preset.
 
@@ -50,12 +69,15 @@ class DeepseekV3ModelSection:
     check the built model against the frozen 16B spec (layers, dense/MoE layout, shapes,
     parameter count); omitted, it is true exactly for ``preset: dsv3_16b``. Construction checks
     all of it, including that the resulting ``DeepseekV3Config`` is one the model implements.
+    ``load_balance``: how the routers are balanced in training (``LoadBalanceSection``; by
+    default DeepSeek-V3's method and values).
     """
 
     preset: Literal["dsv3_16b", "dsv3_tiny"] | None = None
     hf_config: str | None = None
     overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     validate_16b: bool | None = None
+    load_balance: LoadBalanceSection = field(default_factory=LoadBalanceSection)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.hf_config is None):

@@ -15,14 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.deepseek_v3.balance_step import ExpertLoadBalancer
 from models.deepseek_v3.config import DeepseekV3Config, validate_16b
 from models.deepseek_v3.flops import flops_per_token
 from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter
-from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, initial_value, low_precision_scope
+from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, TopKRouter, initial_value, low_precision_scope
 from models.deepseek_v3.model_section import DeepseekV3ModelSection
 from te_npu.training.config import TrainConfig, load_config
 from te_npu.training.job import StopRequest, run_job
 from te_npu.training.metrics.throughput import ModelFlops
+from te_npu.training.task_step import LossParts, StepEnd, StepReport
 from te_npu.training.trainer import Trainer
 
 __all__ = ["DeepseekV3Task", "model_section_of", "model_config", "main"]
@@ -39,12 +41,24 @@ def model_config(cfg: TrainConfig) -> DeepseekV3Config:
 
 
 class DeepseekV3Task:
-    """``TrainTask`` for ``DeepseekV3ForCausalLM``."""
+    """``TrainTask`` for ``DeepseekV3ForCausalLM``, trained as DeepSeek-V3 was: the loss is the
+    next-token cross-entropy plus the routers' sequence-wise balance loss, and once per step the
+    router biases move by the auxiliary-loss-free rule (``model.load_balance``;
+    ``models/deepseek_v3/load_balance.py``)."""
 
     model_section = DeepseekV3ModelSection
 
+    def __init__(self) -> None:
+        self._balancer: ExpertLoadBalancer | None = None
+
     def build(self, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
-        return DeepseekV3ForCausalLM(model_config(cfg), dtype=dtype)
+        balance = model_section_of(cfg).load_balance
+        model = DeepseekV3ForCausalLM(model_config(cfg), dtype=dtype)
+        model.set_seq_aux_loss_coeff(balance.seq_aux_loss_coeff)
+        self._balancer = ExpertLoadBalancer(
+            ExpertLoadBalancer.routers_of(model, TopKRouter), bias_update_rate=balance.bias_update_rate,
+            bias_update_until_step=balance.bias_update_until_step, idle_expert_warn_steps=balance.idle_expert_warn_steps)
+        return model
 
     def validate(self, model: nn.Module, cfg: TrainConfig) -> None:
         if model_section_of(cfg).validate_16b:
@@ -71,11 +85,19 @@ class DeepseekV3Task:
         """Hugging Face key mapping and config.json rules (``checkpoint.initial_load_path``, exports)."""
         return DeepseekV3HFAdapter(model_config(cfg))
 
-    def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> LossParts:
+        """Cross-entropy (``lm_loss``) plus, in a training forward, the balance loss (an extra)."""
         # The data pipeline gives labels already shifted (labels[s] = next token of input_ids[s]),
         # so the loss is a plain token-wise cross-entropy, not the HF shift-by-one loss.
-        logits_BSV = model(input_ids).logits
-        return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels.flatten())
+        out = model(input_ids)
+        lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
+        if out.balance_loss is None:
+            return LossParts(lm_loss, lm_loss)
+        return LossParts(lm_loss + out.balance_loss, lm_loss, {"balance_loss": out.balance_loss})
+
+    def step_end(self, model: nn.Module, ctx: StepEnd) -> StepReport:
+        """Once per optimizer step: sum the routers' counts over ranks, move the biases, report."""
+        return self._balancer.step_end(ctx)
 
 
 def main(argv: list[str] | None = None) -> int:

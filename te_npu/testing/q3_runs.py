@@ -60,6 +60,11 @@ def optimizer_dtypes(trainer) -> dict:
             for fqn in trainer.optimizer.masters}
 
 
+def _buffers(trainer) -> dict:
+    """FQN -> a CPU copy of every buffer of the model (e.g. DeepSeek-V3's router biases)."""
+    return {fqn: b.detach().cpu().clone() for fqn, b in trainer.model.named_buffers()}
+
+
 def run_phase(task, cfg, steps: int, *, save_at: int | None = None, save_dir: str | None = None,
               subscribers=()) -> dict:
     """Set up, train ``steps`` optimizer steps (``save_dcp(save_dir)`` after step ``save_at``), close."""
@@ -84,6 +89,7 @@ def run_phase(task, cfg, steps: int, *, save_at: int | None = None, save_dir: st
             "replicated": dict(trainer.shard_plan.replicated) if trainer.shard_plan else {},
             "param_names": list(params),
             "buffer_names": [n for n in trainer.model.state_dict() if n not in params],
+            "buffers": _buffers(trainer),
             "lines": lines,
         }
     except BaseException:
@@ -115,6 +121,7 @@ def resume_phase(task, cfg, dcp_dir: str, steps: int) -> dict:
             "optimizer_dtypes": optimizer_dtypes(trainer),
             "weights": weight_state(trainer),
             "masters": {fqn: local_tensor(m).detach().cpu().clone() for fqn, m in trainer.optimizer.masters.items()},
+            "buffers": _buffers(trainer),
             "probe": probe,
             "lines": lines,
         }

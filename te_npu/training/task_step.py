@@ -72,6 +72,6 @@ class StepReport:
     """What ``step_end`` reports: ``metrics`` (name -> float; ``metrics.jsonl`` and TensorBoard on
     logged steps), ``summary`` (a short text for the step line), ``warnings`` (one line each)."""
 
-    metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    metrics: dict[str, float] = field(default_factory=dict)
     summary: str | None = None
     warnings: tuple[str, ...] = ()

@@ -511,9 +511,13 @@ class Trainer(TrainerStorage):
         )
         with self._warm_up("evaluation") as limit, self._watch.phase("evaluation", self.global_step, limit_s=limit), \
                 self._kernels(), te_npu.autocast(enabled=self.recipe is not None, recipe=self.recipe):
-            for input_ids, labels in batches:
-                loss = self.task.loss(self.model, input_ids.to(self.device), labels.to(self.device))
-                parts.append(as_loss_parts(loss).detached())
+            self.model.eval()  # evaluation mode: a model's training-only state (e.g. router counts) stays as is
+            try:
+                for input_ids, labels in batches:
+                    loss = self.task.loss(self.model, input_ids.to(self.device), labels.to(self.device))
+                    parts.append(as_loss_parts(loss).detached())
+            finally:
+                self.model.train()
             names, values = _stack_parts(parts)
             return dict(zip(names, self._all_reduce_sum(values).div(self.world_size).tolist()))
 
