@@ -149,3 +149,27 @@ def test_second_run_on_the_same_out_is_refused_naming_the_holder(tmp_path):
         held.release()
     assert code == 2 and f"pid {os.getpid()}" in log and "is in use by another job" in log, log
     assert not (out / "jobs").exists()
+
+
+@pytest.mark.slow
+def test_a_phase_failing_on_one_rank_ends_the_job_on_every_rank_at_once(tmp_path):
+    """Rank 1 alone fails Q3-09's resume (its continuous record is unreadable) while rank 0 sets
+    up its Trainer: the job ends within seconds instead of rank 0 waiting out a collective's
+    timeout, and the case is judged ``fail`` naming rank 1's error."""
+    import time
+
+    out = tmp_path / "q3"
+    code, log, _ = _run(out, "--cases", "Q3-01", "--steps", "10")
+    assert code == 0, log
+    (out / "jobs" / "train-bf16" / "continuous_rank1.json").write_text("{not json")
+    (out / "cases" / "Q3-01.json").unlink()
+    (out / "jobs" / "resume-bf16" / "resume" / "ended.json").unlink()
+    start = time.monotonic()
+    code, log, report = _run(out, "--cases", "Q3-01", "--steps", "10")
+    took = time.monotonic() - start
+    case = _verdicts(report)["Q3-01"]
+    assert code == 1 and case["verdict"] == "fail", (case, log)
+    assert any(r.startswith("resume-bf16/resume rank 1: JSONDecodeError") for r in case["reasons"]), case["reasons"]
+    assert took < 120, f"{took:.0f} s: a rank waited in a collective"
+    ended = json.loads((out / "jobs" / "resume-bf16" / "resume" / "ended.json").read_text())
+    assert ended["failed_on_rank"] == 1
