@@ -44,7 +44,7 @@ __all__ = ["GPTSource", "MegatronSplit", "GPTSamples", "BlendedSamples", "Megatr
 _SPLIT_NAMES = ("train", "valid", "test")
 MANY_EPOCHS = 10
 """An index of more epochs than this gets a note (its epochs and bytes): usually a start_sample or
-train_samples far beyond the data, e.g. global sample 1e8 of 10,219 samples is 9,786 epochs."""
+train_samples far beyond the data, e.g. global sample 1e8 of 10,219 samples is about 9,800 epochs."""
 
 
 @dataclass(frozen=True)
