@@ -24,7 +24,17 @@ memory). With Q3-11 a ``profile`` job runs the timing job's configuration for PR
 steps under the profiler (``te_npu.testing.step_profile``; Q3-11's own steps stay unprofiled),
 its traces and tables in ``jobs/profile/<format>/rank<r>/``. A case
 with a verdict in ``cases/<id>.json`` is skipped on a re-run with the same ``--out`` (delete the
-file to run it again). Exit code: 0 when no case fails, 1 otherwise.
+file to run it again). Exit code: 0 when no case fails, 1 otherwise, 2 bad arguments or ``--out``
+in use, 128 + N interrupted by signal N.
+
+Owned jobs (``te_npu.testing.owned_jobs``): one run per ``--out`` (a lock naming its pid); each
+job runs in a process group of its own that dies with this script, whatever signal ends it, and
+a re-run first waits for an earlier run's job to be gone. A phase that fails on one rank ends its
+job on every rank (``te_npu.training.job.run_job``: no rank left waiting in a collective); the
+job is started again for its remaining phases. A phase counts as ended once
+``jobs/<job>/<phase>/ended.json`` exists (its job ended, or its own rank failed it); a case is
+judged only when every phase it reads ended, so an interrupted case is run again, never
+recorded as a failure.
 """
 from __future__ import annotations
 
@@ -250,7 +260,16 @@ def _phase(args, job: str, phase: str, rank: int, world: int, fn) -> None:
     try:
         data = fn()
     except Exception as exc:  # noqa: BLE001 - recorded as the phase's failure
+        from te_npu.training.job import lost_a_peer
+
         data = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        data.update(seconds=round(time.time() - start, 1), world=world, memory=_peak_memory(args.npu, host_reset))
+        _write(out, data)
+        if not lost_a_peer(exc):  # this rank's own failure: the phase ended (a peer's death is not one)
+            _write(out.with_name("ended.json"), {"failed_on_rank": rank, "error": data["error"]})
+        if world > 1:
+            raise  # the job ends on every rank (run_job), none waits in a collective; the orchestrator goes on
+        return
     data.update(seconds=round(time.time() - start, 1), world=world, memory=_peak_memory(args.npu, host_reset))
     _write(out, data)
 
@@ -270,12 +289,10 @@ def job_process_group(args):
             torch.npu.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("hccl" if args.npu else "gloo", timeout=datetime.timedelta(minutes=30))
         owned = True
-    try:
-        yield
-    finally:
-        if owned:
-            dist.barrier()
-            dist.destroy_process_group()
+    yield  # an exception leaves without a barrier: run_job aborts the group, the peers are stopped
+    if owned:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_job(args, job: str, phases: list[str]) -> None:
@@ -403,8 +420,9 @@ def _profiled(args, fmt: str, workdir: Path, rank: int) -> dict:
 
 
 # ---------------------------------------------------------------- orchestration
-def _launch(args, job: str, phases: list[str]) -> int:
-    """Start one job's ranks with torchrun (te_npu's launcher) and wait for it."""
+def _launch(args, folder, job: str, phases: list[str]) -> int | None:
+    """Start one job's ranks with torchrun (te_npu's launcher), owned by ``folder``, and wait for
+    it; its exit code, None when a signal ended the launcher (interrupted)."""
     cmd = [sys.executable, "-m", "te_npu.training.launch", "--standalone", "--nproc_per_node", str(args.nproc),
            str(Path(__file__).resolve()), "--job", job, "--phases", *phases, "--out", str(args.out),
            "--steps", str(args.steps), "--recipes", *(f"{f}={p}" for f, p in args.recipes.items()),
@@ -412,16 +430,33 @@ def _launch(args, job: str, phases: list[str]) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     if not args.npu:
         env.setdefault("OMP_NUM_THREADS", "1")
-    log = Path(args.out) / "jobs" / job / f"launch_{'_'.join(phases)}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    jobdir = Path(args.out) / "jobs" / job
+    for phase in phases:  # what an interrupted attempt left of these phases is not evidence
+        for stale in (jobdir / phase).glob("*.json"):
+            if stale.name == "ended.json" or (stale.name.startswith("rank") and stale.stem[4:].isdigit()):
+                stale.unlink()
+    if "main" in phases and (jobdir / "dcp").exists():  # an earlier attempt's steps: kept, set aside
+        aside = jobdir / f"dcp.before-{time.strftime('%Y%m%d-%H%M%S')}"
+        (jobdir / "dcp").rename(aside)
+        print(f"q3_acceptance: {job}: moved the steps of an earlier attempt to {aside}", flush=True)
+    return folder.run(cmd, Path(args.out) / "jobs" / job / f"launch_{'_'.join(phases)}.log", env=env, cwd=REPO)
+
+
+def _rank_files(args, job: str, phase: str) -> list[Path]:
+    return sorted((Path(args.out) / "jobs" / job / phase).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
 
 
 def _read(args, job: str, phase: str) -> list[dict] | None:
-    d = Path(args.out) / "jobs" / job / phase
-    files = sorted(d.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    files = _rank_files(args, job, phase)
     return [json.loads(p.read_text()) for p in files] if len(files) == args.nproc else None
+
+
+def _ended(args, job: str, phase: str) -> bool:
+    return (Path(args.out) / "jobs" / job / phase / "ended.json").exists()
+
+
+def _mark_ended(args, job: str, phase: str, **why) -> None:
+    _write(Path(args.out) / "jobs" / job / phase / "ended.json", why)
 
 
 def _illegal_configs(args) -> list[str]:
@@ -443,6 +478,8 @@ def judge(args, case: str) -> dict:
         ranks = _read(args, job, phase)
         evidence.append(f"jobs/{job}/{phase}/")
         if ranks is None:
+            partial = {int(p.stem[4:]): json.loads(p.read_text()) for p in _rank_files(args, job, phase)}
+            reasons += [f"{job}/{phase} rank {r}: {d['error']}" for r, d in partial.items() if "error" in d]
             reasons.append(f"{job}/{phase}: no result from every rank (see jobs/{job}/launch_*.log)")
             continue
         results[(job, phase)] = ranks
@@ -701,7 +738,7 @@ def _todo(args) -> tuple[list[str], list[str], dict[str, list[str]]]:
     needed: dict[str, list[str]] = {}
     for case in todo:
         for job, phase in [(j, p) for j, p, _ in NEEDS[case]] + REPORTED.get(case, []):
-            if _read(args, job, phase) is None and phase not in needed.setdefault(job, []):
+            if not _ended(args, job, phase) and phase not in needed.setdefault(job, []):
                 needed[job].append(phase)
     order = sorted(needed, key=lambda j: (j.startswith("resume"), j.startswith(("perf", "profile")), j))  # resume after train
     return todo, [c for c in args.cases if c not in todo], {j: needed[j] for j in order if needed[j]}
@@ -710,11 +747,15 @@ def _todo(args) -> tuple[list[str], list[str], dict[str, list[str]]]:
 def _judge_all(args, todo: list[str]) -> int:
     out = Path(args.out)
     for case in todo:
+        if not all(_ended(args, j, p) for j, p, _ in NEEDS[case]):
+            print(f"q3_acceptance: {case} not judged: its jobs were interrupted (a re-run runs them)", flush=True)
+            continue
         verdict = judge(args, case)
         _write(out / "cases" / f"{case}.json", verdict)
         first = f": {verdict['reasons'][0]}" if verdict["reasons"] else ""
         print(f"q3_acceptance: {case} {verdict['verdict']}{first}", flush=True)
-    verdicts = [json.loads((out / "cases" / f"{c}.json").read_text()) for c in args.cases]
+    verdicts = [json.loads((out / "cases" / f"{c}.json").read_text()) for c in args.cases
+                if (out / "cases" / f"{c}.json").exists()]
     code = write_report(args, verdicts)
     print(f"q3_acceptance: report {out / 'report.md'} and {out / 'report.json'}", flush=True)
     return code
@@ -732,18 +773,45 @@ def in_torchrun(args) -> int:
     deadline = time.time() + 600  # the other ranks' last files
     while time.time() < deadline and any(_read(args, j, p) is None for j, ps in needed.items() for p in ps):
         time.sleep(2)
+    for job, phases in needed.items():
+        for phase in phases:
+            if _read(args, job, phase) is not None:
+                _mark_ended(args, job, phase, exit=0)
     return _judge_all(args, todo)
 
 
 def orchestrate(args) -> int:
-    todo, skipped, needed = _todo(args)
-    if skipped:
-        print(f"q3_acceptance: {', '.join(skipped)} finished in {args.out} before; skipped", flush=True)
-    for job, phases in needed.items():
+    from te_npu.testing.owned_jobs import JobFolder, terminate_on_sigterm
+
+    terminate_on_sigterm()  # SIGTERM ends the running job first (the owner pipe covers SIGKILL)
+    with JobFolder(args.out) as folder:
+        todo, skipped, needed = _todo(args)
+        if skipped:
+            print(f"q3_acceptance: {', '.join(skipped)} finished in {args.out} before; skipped", flush=True)
+        for job, phases in needed.items():
+            _run_until_ended(args, folder, job, phases)
+        return _judge_all(args, todo)
+
+
+def _run_until_ended(args, folder, job: str, phases: list[str]) -> None:
+    """Launch ``job`` for ``phases``; a phase that failed ended the job, so launch it again for the
+    phases after it. Phases of a launch that a signal ended stay un-ended (re-run later)."""
+    while phases:
         start = time.time()
-        code = _launch(args, job, phases)
-        print(f"q3_acceptance: job {job} ({', '.join(phases)}) exit {code} in {time.time() - start:.0f} s", flush=True)
-    return _judge_all(args, todo)
+        code = _launch(args, folder, job, phases)
+        print(f"q3_acceptance: job {job} ({', '.join(phases)}) "
+              f"{'interrupted by a signal' if code is None else f'exit {code}'} in {time.time() - start:.0f} s",
+              flush=True)
+        if code is None:
+            return
+        for phase in phases:
+            if not _ended(args, job, phase) and _read(args, job, phase) is not None:
+                _mark_ended(args, job, phase, exit=code)
+        left = [p for p in phases if not _ended(args, job, p)]
+        if left == phases:  # the job ended before any phase did: the first one is its failure
+            _mark_ended(args, job, left[0], exit=code, note="the job ended before every rank wrote this phase")
+            left = left[1:]
+        phases = left
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -774,12 +842,19 @@ def main(argv: list[str] | None = None) -> int:
     args.recipes = recipes
     args.out = str(Path(args.out).resolve())
     args.nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if args.job else (8 if args.npu else 2))
-    if args.job:
-        run_job(args, args.job, args.phases)
-        return 0
+    if args.job:  # one rank of a job: fails together with its peers, dies with its launcher
+        from te_npu.training.job import run_job as run_rank
+
+        return run_rank(lambda stop: run_job(args, args.job, args.phases))
     if "WORLD_SIZE" in os.environ:
         return in_torchrun(args)
-    return orchestrate(args)
+    from te_npu.errors import ConfigError
+
+    try:
+        return orchestrate(args)
+    except ConfigError as exc:
+        print(f"q3_acceptance: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

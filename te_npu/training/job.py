@@ -75,6 +75,7 @@ __all__ = [
     "exit_code_for",
     "is_collective_timeout",
     "launch_env",
+    "lost_a_peer",
     "root_cause",
     "run_job",
 ]
@@ -107,11 +108,14 @@ class LaunchEnv:
     """This rank's node (torchrun's ``GROUP_RANK``: the launcher's ``--node_rank``)."""
     nnodes: int = 1
     """Nodes of the job (torchrun's ``GROUP_WORLD_SIZE``)."""
+    launcher_pid: int | None = None
+    """The launcher that started this rank (``te_npu.training.launch`` sets ``TE_NPU_LAUNCHER_PID``;
+    None under a plain torchrun: the parent at start-up is taken for it)."""
 
 
 def launch_env() -> LaunchEnv:
     """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` /
-    ``GROUP_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID`` / ``TE_NPU_MAPPED_FILES``."""
+    ``GROUP_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID`` / ``TE_NPU_MAPPED_FILES`` / ``TE_NPU_LAUNCHER_PID``."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     return LaunchEnv(
@@ -123,6 +127,7 @@ def launch_env() -> LaunchEnv:
         mapped_files_dir=env.get(mapped_files.ENV) or None,
         node_rank=int(env.get("GROUP_RANK", "0")),
         nnodes=int(env.get("GROUP_WORLD_SIZE", "1")),
+        launcher_pid=int(env["TE_NPU_LAUNCHER_PID"]) if env.get("TE_NPU_LAUNCHER_PID", "").isdigit() else None,
     )
 
 
@@ -335,6 +340,12 @@ def _claim_first_failure(rank: int, code: int) -> tuple[bool | None, int]:
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is the consequence of a peer's death (a collective that broke on a closed
+    connection), not a failure of this rank's own."""
+    return _lost_a_peer(exc)
+
+
 def _lost_a_peer(exc: BaseException) -> bool:
     """``exc`` is a collective that broke because a peer's process ended (gloo's "Connection closed by peer")."""
     return any(isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_GONE)
@@ -376,7 +387,7 @@ class _SignalGuard:
     def __init__(self, stop: StopRequest, env: LaunchEnv, stderr) -> None:
         self.stop, self.env, self.stderr = stop, env, stderr
         self.failing = False
-        self.parent = os.getppid()
+        self.parent = env.launcher_pid or os.getppid()  # the launcher's pid: its death before this line counts too
         self.watchdog = _Watchdog(self)
         self._previous: dict[int, object] = {}
         self._wakeup_previous = -1

@@ -11,7 +11,11 @@ exits with the first failure's exit code (torchrun itself always exits 1): 2 sti
 (``te_npu.training.job``); for a configuration error that one line is all the job prints
 (torchrun's per-process "failed" / "closing signal" log lines are muted; the summary line
 replaces them). A signal to the launcher (Ctrl-C, SIGTERM) is forwarded to the
-workers by torchrun; the launcher then exits with 128 + that signal.
+workers by torchrun; the launcher then exits with 128 + that signal. Started by
+``te_npu.process_tree.start_owned`` (``scripts/q3_acceptance.py`` does), the launcher and its
+process group die with their owner, even after ``kill -9`` of it; its workers (torchrun gives
+each a session of its own) see the launcher gone (``LAUNCHER_PID_ENV``, then
+``PR_SET_PDEATHSIG`` and a parent-pid poll in ``te_npu.training.job``) and exit within a second.
 
 Multi-node (``--nnodes N --node_rank K --master_addr A --master_port P``, torchrun's static
 rendezvous: node 0's launcher hosts the job's store at ``A:P``; every node runs its own launcher
@@ -34,13 +38,20 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from te_npu import process_tree
 from te_npu.training import launch_report, mapped_files
 from te_npu.training.launch_report import exit_code_of
 
-__all__ = ["main", "exit_code_of"]
+__all__ = ["main", "exit_code_of", "LAUNCHER_PID_ENV"]
+
+LAUNCHER_PID_ENV = "TE_NPU_LAUNCHER_PID"
+"""The launcher's pid, for its workers: a worker whose parent is no longer it exits (even one
+that starts after the launcher died, which ``PR_SET_PDEATHSIG`` alone would miss)."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    process_tree.watch_owner()  # started by an owner (start_owned): die with it
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="te_npu_launch_") as mapped:  # the workers' mapped-file records
         os.environ[mapped_files.ENV] = mapped

@@ -293,6 +293,8 @@ class Trainer(TrainerStorage):
                                     world_size=self.world_size, shuffle=d.shuffle, vocab_size=self.vocab_size,
                                     run_samples=run_samples, start_sample=d.start_sample,
                                     train_samples=d.train_samples)
+            except ConfigError:
+                raise  # already one line naming its data (a stale index cache that cannot be rebuilt)
             except ValueError as exc:
                 raise ConfigError(f"{splits.train_key} / training.seq_len / training.micro_batch_size: {exc}") from None
 
@@ -300,7 +302,11 @@ class Trainer(TrainerStorage):
         if getattr(self.train_data, "builds_index", False):  # Megatron's indices: rank 0 builds, the others map
             made = batcher() if self.rank == 0 else None
             self._barrier()
+            if made is None:  # what rank 0 checked or rebuilt is mapped as it is, or refused: never rebuilt here
+                self.train_data = dataclasses.replace(self.train_data, may_build=False)
         self.batcher = made if made is not None else batcher()
+        for note in getattr(self.batcher, "notes", ()):
+            self._print_rank0(f" note: {note}")
 
     def _check_capability(self) -> None:
         """The low-precision capability gate on this device (none for a BF16 run)."""

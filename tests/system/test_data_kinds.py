@@ -105,3 +105,25 @@ def test_corrupt_index_through_the_launcher_is_one_line_exit_2(tmp_path):
     assert done.returncode == 2 and len(lines) == 1, lines
     assert lines[0].startswith("ConfigError: data.blend[1]: not a valid Megatron indexed dataset: ")
     assert "a truncated or mismatched .bin/.idx pair" in lines[0]
+
+
+@pytest.mark.slow
+def test_resegmented_dataset_under_an_existing_cache_trains_as_a_fresh_cache(tmp_path, single_process):
+    """Issue 38's repro: the .bin byte-identical, the .idx the same size, 10 tokens moved from
+    document 0 to document 1; the cache built before is rebuilt (one note naming the data), and
+    the losses equal a fresh cache's instead of the old data's."""
+    import numpy as np
+
+    corpora = R.write_corpora(tmp_path / "corpora")
+    data = ["data.kind=megatron", f"data.path={corpora['web']}", "data.split=90,10", *ONE_RANK]
+    old = R.train_worker(0, 1, tmp_path / "run", data, steps=3, save_at=None)
+    docs = R.stdlib_documents(0, 40)
+    write_megatron(corpora["web"], [docs[0][:-10], np.concatenate((docs[0][-10:], docs[1])), *docs[2:]], 8)
+    again = R.train_worker(0, 1, tmp_path / "run", data, steps=3, save_at=None)
+    fresh = R.train_worker(0, 1, tmp_path / "fresh", data, steps=3, save_at=None)
+    losses = {name: [r["lm_loss"] for r in run["records"]] for name, run in
+              (("old", old), ("again", again), ("fresh", fresh))}
+    assert losses["again"] == losses["fresh"] != losses["old"], losses
+    notes = [line for line in again["lines"] if "rebuilt the sample index cache" in line]
+    assert len(notes) == 1 and f"data.path: {corpora['web']}.idx [train: sequences 0:36]" in notes[0], notes
+    assert not any("rebuilt" in line for line in fresh["lines"])

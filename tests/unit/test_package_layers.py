@@ -17,7 +17,7 @@ import te_npu
 PACKAGE_DIR = Path(te_npu.__file__).parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "compat", "numerics"),  # pure codecs; the one home of private torch names
+    ("errors", "compat", "numerics", "process_tree"),  # pure codecs; private torch names; owned child processes
     ("formats",),                      # each format's rules, declared once
     ("events",),                       # the one event stream
     ("ops",),                          # backends: emulation (+ its kernels), npu wrappers, GEMM dispatch

@@ -65,9 +65,10 @@ class FolderLock:
                 pass
 
 
-def acquire_folder_lock(directory: str, *, key: str = "checkpoint.dir") -> FolderLock:
+def acquire_folder_lock(directory: str, *, key: str = "checkpoint.dir", advice: str | None = None) -> FolderLock:
     """Create ``directory`` if needed and lock it for this process, or raise ``ConfigError``
-    naming the holder (``key`` is the config field the message names)."""
+    naming the holder (``key`` is the config field the message names, ``advice`` the message's
+    end; default: the checkpoint folder's)."""
     try:
         created_dir = not os.path.isdir(directory)
         os.makedirs(directory, exist_ok=True)
@@ -83,9 +84,10 @@ def acquire_folder_lock(directory: str, *, key: str = "checkpoint.dir") -> Folde
         os.close(fd)
         if exc.errno not in (errno.EACCES, errno.EAGAIN):
             raise ConfigError(f"{key}: cannot lock {path!r}: {exc.strerror or exc}") from None
+        advice = advice or ("two jobs must not write one checkpoint folder: wait for that job to end or stop it, or "
+                            "give this run another checkpoint.dir")
         raise ConfigError(f"{key}: {directory!r} is in use by another job ({_describe_holder_of(path, previous)}; "
-                          f"lock file {path}); two jobs must not write one checkpoint folder: wait for that job to "
-                          "end or stop it, or give this run another checkpoint.dir") from None
+                          f"lock file {path}); {advice}") from None
     previous = _read(fd)
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": _now(), "argv": sys.argv}
     try:

@@ -15,7 +15,11 @@ needs a compiler) and cached by torch under ``~/.cache/torch_extensions``; the f
 about a minute on 2 cores. Builders take turns under an OS file lock (``flock``, released by the
 kernel when a process dies), so a build killed mid-way cannot leave torch's own ``lock`` file
 behind to hang every later build: a ``lock`` found while holding the turn is stale and removed,
-with one line saying so. Build flags follow the CPU capability PyTorch detected (AVX2 / AVX-512 /
+with one line saying so. The compile itself runs in a child process of its own process group
+(``python -m te_npu.ops.kernels.native_cpu``, started by ``te_npu.process_tree.start_owned``), so
+ninja and the compilers die with the process that asked for the build, even when that one is
+killed with ``kill -9`` (they used to live on, adopted by pid 1, while the next build started);
+the module is then loaded in-process from the build. Build flags follow the CPU capability PyTorch detected (AVX2 / AVX-512 /
 portable), and the capability is part of the extension name so caches never mix them.
 
 Nothing here falls back silently: if the kernel cannot be built, :func:`quantize_dual` and
@@ -29,13 +33,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import os
+import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from te_npu import compat
+from te_npu import compat, process_tree
 from te_npu.numerics import hif8, mxfp8
 from te_npu.numerics.constants import MX_BLOCK_SIZE, MX_DEFAULT_SCALE_ALG
 from te_npu.ops.group_sizes import host_group_sizes
@@ -94,27 +100,54 @@ def build_turn(build_dir: Path):
             fcntl.flock(turn, fcntl.LOCK_UN)
 
 
+def _extension() -> tuple[str, Path]:
+    """The extension's name (capability and content hash in it) and torch's build folder for it."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    # the content hash keys torch's build cache on headers too (it hashes only the sources)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
+    name = f"te_npu_native_cpu_{capability.lower()}_{digest}"
+    return name, Path(compat.extension_build_directory(name))  # torch's own place for it
+
+
+def _build_and_import(name: str, build_dir: Path):
+    """``torch.utils.cpp_extension.load``: build what is out of date (ninja), import the module."""
+    from torch.utils.cpp_extension import load
+
+    flags = _ARCH_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    return load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=["-O3", *flags, *_OPENMP],
+                extra_ldflags=_OPENMP, build_directory=str(build_dir), verbose=False)
+
+
+def _build_in_owned_child(build_dir: Path) -> str | None:
+    """Compile in ``python -m te_npu.ops.kernels.native_cpu`` (its process group dies with this
+    process: ``process_tree``); None when it built, else the reason (its last line)."""
+    package_root = str(Path(__file__).resolve().parents[3])  # this te_npu, whatever sys.path found it through
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    proc = process_tree.start_owned([sys.executable, "-m", "te_npu.ops.kernels.native_cpu", str(build_dir)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate()
+    except BaseException:
+        process_tree.end_owned(proc)
+        raise
+    process_tree.end_owned(proc, grace_s=0)
+    if proc.returncode == 0:
+        return None
+    lines = output.strip().splitlines()
+    return lines[-1] if lines else f"the build process exited {proc.returncode}"
+
+
 @lru_cache(maxsize=None)
 def _load():
     """Build (first call on a machine) and import the extension; ``(module, None)`` or ``(None, reason)``."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = _ARCH_FLAGS.get(capability, [])
     try:
-        from torch.utils.cpp_extension import load
-
-        # the content hash keys torch's build cache on headers too (it hashes only the sources)
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
-        name = f"te_npu_native_cpu_{capability.lower()}_{digest}"
-        build_dir = Path(compat.extension_build_directory(name))  # torch's own place for it
+        name, build_dir = _extension()
         with build_turn(build_dir):
-            module = load(
-                name=name,
-                sources=[str(p) for p in _SOURCES],
-                extra_cflags=["-O3", *flags, *_OPENMP],
-                extra_ldflags=_OPENMP,
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            if not (build_dir / f"{name}.so").exists():
+                reason = _build_in_owned_child(build_dir)
+                if reason is not None:
+                    return None, reason
+            module = _build_and_import(name, build_dir)  # built: ninja finds nothing to do
     except Exception as exc:  # noqa: BLE001 - compiler / ninja / loader errors all mean "unavailable"
         lines = str(exc).strip().splitlines()
         return None, f"{type(exc).__name__}: {lines[-1] if lines else repr(exc)}"
@@ -360,3 +393,13 @@ class NativeCpuKernels(EagerKernels):
         if _cpu(codes) and dtype == torch.float32 and codes.dim() >= 2:
             return hif8_decode(codes)
         return super().hif8_decode(codes, dtype)
+
+
+if __name__ == "__main__":  # the owned build child (_build_in_owned_child); its parent holds the build turn
+    process_tree.watch_owner()
+    try:
+        _build_and_import(_extension()[0], Path(sys.argv[1]))
+    except Exception as exc:  # noqa: BLE001 - the parent reports the last line
+        lines = str(exc).strip().splitlines()
+        print(f"{type(exc).__name__}: {lines[-1] if lines else repr(exc)}", flush=True)
+        sys.exit(1)

@@ -28,28 +28,22 @@ The rules, each the same arithmetic as Megatron-core's (``megatron/core/datasets
 Global sample ``i`` of a split is then the ``S + 1`` tokens between sample-index rows
 ``shuffle[i]`` and ``shuffle[i] + 1``: Megatron's ``GPTDataset[i]``.
 
-Cache (``IndexCache``): ``<cache_dir>/megatron_indices/<md5>-<Class>-<split>-<name>.npy`` plus a
-``-description.txt`` that records what the indices were built from (the md5 is of it), as
-Megatron's ``--data-cache-path`` holds them. Written under temporary names and renamed, the
-description last, so a reader never sees half an index; read memory-mapped, never unpickled.
+Cache: ``te_npu.training.data.index_cache.IndexCache`` (``<cache_dir>/megatron_indices``, as
+Megatron's ``--data-cache-path``), which also records the sequence lengths the indices were
+built from and each file's checksum, and rebuilds (saying so) or refuses a cache that does not
+match.
 
 Legend: S = sequence length, D = sequences in the split, E = epochs, n = samples.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 __all__ = [
     "GPTIndices",
-    "IndexCache",
     "num_epochs_for",
     "separate_final_epoch",
     "build_document_index",
@@ -172,46 +166,3 @@ def blend_sizes(weights: Sequence[float], size: int) -> tuple[list[int], list[in
 
     target = [int(math.ceil(size * w)) for w in weights]
     return target, [int(math.ceil(t * (1 + MID_LEVEL_SURPLUS))) for t in target]
-
-
-class IndexCache:
-    """Index arrays kept in ``<cache_dir>/megatron_indices`` under the md5 of their description (module doc)."""
-
-    def __init__(self, cache_dir: str | os.PathLike, description: dict[str, Any], cls: str, split: str):
-        self.description = json.dumps(description, indent=4, sort_keys=True)
-        digest = hashlib.md5(self.description.encode(), usedforsecurity=False).hexdigest()
-        self.folder = Path(cache_dir) / "megatron_indices"
-        self.base = f"{digest}-{cls}-{split}"
-
-    def path(self, name: str) -> Path:
-        return self.folder / f"{self.base}-{name}"
-
-    def load(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
-        """The cached arrays memory-mapped, or None when any is missing or the description differs."""
-        try:
-            if self.path("description.txt").read_text() != self.description:
-                return None
-            return {name: np.load(self.path(f"{name}.npy"), mmap_mode="r", allow_pickle=False) for name in names}
-        except (OSError, ValueError):
-            return None
-
-    def load_or_build(self, names: Sequence[str], build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """``load(names)``, else ``build()`` saved atomically (description last) and returned mapped."""
-        cached = self.load(names)
-        if cached is not None:
-            return cached
-        arrays = build()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = f".tmp{os.getpid()}"
-        for name in names:
-            target = self.path(f"{name}.npy")
-            with open(target.with_name(target.name + tmp), "wb") as f:
-                np.save(f, np.ascontiguousarray(arrays[name]), allow_pickle=False)
-            os.replace(target.with_name(target.name + tmp), target)
-        description = self.path("description.txt")
-        description.with_name(description.name + tmp).write_text(self.description)
-        os.replace(description.with_name(description.name + tmp), description)
-        loaded = self.load(names)
-        if loaded is None:
-            raise OSError(f"{self.folder}: the index files just written under {self.base}-* cannot be read back")
-        return loaded

@@ -23,6 +23,7 @@ Legend: B = micro batch size, S = sequence length, W = world size.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ import numpy as np
 import torch
 
 from te_npu.training.data.blend import blending_indices, normalize_weights
-from te_npu.training.data.gpt_index import IndexCache, blend_sizes, build_gpt_indices, separate_final_epoch
+from te_npu.training.data.gpt_index import blend_sizes, build_gpt_indices, separate_final_epoch
+from te_npu.training.data.index_cache import IndexCache
 from te_npu.training.data.indexed_dataset import MegatronIndexedDataset
 from te_npu.training.data.token_dataset import TokenDataset, describe_invalid_id, first_invalid_id, split_windows
 
@@ -40,6 +42,9 @@ __all__ = ["GPTSource", "MegatronSplit", "GPTSamples", "BlendedSamples", "Megatr
            "megatron_validation_batches"]
 
 _SPLIT_NAMES = ("train", "valid", "test")
+MANY_EPOCHS = 10
+"""An index of more epochs than this gets a note (its epochs and bytes): usually a start_sample or
+train_samples far beyond the data, e.g. global sample 1e8 of 10,219 samples is about 9,800 epochs."""
 
 
 @dataclass(frozen=True)
@@ -68,23 +73,34 @@ class GPTSource:
                 "index_split": _SPLIT_NAMES[self.which], "num_samples": num_samples, "random_seed": seed,
                 "sequence_length": seq_len, "add_extra_token_to_sequence": True, "drop_last_partial_sequence": True}
 
+    def built_from(self) -> dict[str, Any]:
+        """What the indices depend on beyond ``description``: the split's sequence lengths (their
+        SHA-256, 4 bytes per sequence) and token count, so a re-segmented dataset is seen."""
+        lengths = np.ascontiguousarray(self.dataset.sequence_lengths[self.begin:self.end])
+        return {"sequence_lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest(),
+                "split_tokens": int(lengths.sum(dtype=np.int64))}
+
+    def label(self) -> str:
+        return f"{self.key}: {self.dataset.idx_path} [{_SPLIT_NAMES[self.which]}: sequences {self.begin}:{self.end}]"
+
 
 class GPTSamples:
     """One indexed GPT split: ``len()`` samples; ``window_array(ids)`` their tokens ``[B, S + 1]`` int64."""
 
     def __init__(self, source: GPTSource, seq_len: int, seed: int, num_samples: int | None,
-                 cache_dir: str | os.PathLike):
+                 cache_dir: str | os.PathLike, *, may_build: bool = True):
         self.source, self.seq_len, self.seed, self.num_samples = source, seq_len, seed, num_samples
         ds = source.dataset
         documents = np.arange(source.begin, source.end, dtype=np.int32)
         cache = IndexCache(cache_dir, source.description(seq_len, seed, num_samples), "GPTDataset",
-                           _SPLIT_NAMES[source.which])
+                           _SPLIT_NAMES[source.which], built_from=source.built_from(), label=source.label())
 
         def build() -> dict[str, np.ndarray]:
             ix = build_gpt_indices(ds.sequence_lengths, documents, seq_len, seed, num_samples)
             return {"document_index": ix.document, "sample_index": ix.sample, "shuffle_index": ix.shuffle}
 
-        arrays = cache.load_or_build(("document_index", "sample_index", "shuffle_index"), build)
+        arrays = cache.load_or_build(("document_index", "sample_index", "shuffle_index"), build, may_build=may_build)
+        self.notes = cache.notes
         self.document_index, self.sample_index = arrays["document_index"], arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
         self.cache_files = cache.path("*")
@@ -94,6 +110,12 @@ class GPTSamples:
         self.order = {"dataset": str(ds.prefix), "sequences": [source.begin, source.end], "seed": seed,
                       "seq_len": seq_len, "num_epochs": self.num_epochs, "separate_final_epoch": separate,
                       "tokens_per_epoch": tokens_per_epoch}
+
+    def index_bytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.document_index, self.sample_index, self.shuffle_index))
+
+    def data_bytes(self) -> int:
+        return int(self.order["tokens_per_epoch"]) * self.source.dataset.dtype.itemsize
 
     def __len__(self) -> int:
         return int(self.sample_index.shape[0]) - 1
@@ -135,18 +157,20 @@ class BlendedSamples:
     ``dataset_index[i]``; ``size`` samples in all."""
 
     def __init__(self, parts: Sequence[GPTSamples], weights: Sequence[float], size: int, cache_dir: str | os.PathLike,
-                 which: int):
+                 which: int, *, may_build: bool = True):
         self.parts, self.weights, self.size = list(parts), [float(w) for w in weights], int(size)
         description = {"class": "BlendedDataset", "format": "te_npu megatron indices 1",
                        "datasets": [p.source.description(p.seq_len, p.seed, p.num_samples) for p in self.parts],
                        "split": _SPLIT_NAMES[which], "weights": self.weights, "size": self.size}
-        cache = IndexCache(cache_dir, description, "BlendedDataset", _SPLIT_NAMES[which])
+        cache = IndexCache(cache_dir, description, "BlendedDataset", _SPLIT_NAMES[which],
+                           label=f"the {_SPLIT_NAMES[which]} blend of {len(self.parts)} datasets")
 
         def build() -> dict[str, np.ndarray]:
             dataset, sample = blending_indices(self.weights, [0] * len(self.parts), 0, self.size)
             return {"dataset_index": dataset.astype(np.int16), "dataset_sample_index": sample}
 
-        arrays = cache.load_or_build(("dataset_index", "dataset_sample_index"), build)
+        arrays = cache.load_or_build(("dataset_index", "dataset_sample_index"), build, may_build=may_build)
+        self.notes = [n for p in self.parts for n in p.notes] + cache.notes
         self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
         counts = np.bincount(np.asarray(self.dataset_index, dtype=np.int64), minlength=len(self.parts))
         for part, (n, need) in enumerate(zip((len(p) for p in self.parts), counts.tolist())):
@@ -157,6 +181,17 @@ class BlendedSamples:
 
     def __len__(self) -> int:
         return self.size
+
+    @property
+    def num_epochs(self) -> int:
+        return max(p.num_epochs for p in self.parts)
+
+    def index_bytes(self) -> int:
+        return sum(p.index_bytes() for p in self.parts) + int(self.dataset_index.nbytes) + \
+            int(self.dataset_sample_index.nbytes)
+
+    def data_bytes(self) -> int:
+        return sum(p.data_bytes() for p in self.parts)
 
     def describe(self) -> str:
         return " + ".join(f"{w:.4g} x {p.describe()}" for w, p in zip(self.weights, self.parts))
@@ -183,6 +218,7 @@ class MegatronSplit:
     which: int
     cache_dir: str
     key: str
+    may_build: bool = True  # False: a cache that is missing or stale is refused (other ranks map it already)
 
     builds_index = True  # the trainer lets rank 0 build the indices before the others map them
 
@@ -196,19 +232,23 @@ class MegatronSplit:
         """The indexed split, for at least ``num_samples`` samples (one epoch when None), as
         Megatron's ``BlendedMegatronDatasetBuilder`` builds it for that size."""
         if self.weights is None and len(self.sources) == 1:
-            return GPTSamples(self.sources[0], seq_len, seed, num_samples, self.cache_dir)
+            return GPTSamples(self.sources[0], seq_len, seed, num_samples, self.cache_dir, may_build=self.may_build)
         if self.weights is None:  # Megatron: one epoch of each, weights = their lengths, size capped at their sum
-            parts = [GPTSamples(s, seq_len, seed, None, self.cache_dir) for s in self.sources]
+            parts = [GPTSamples(s, seq_len, seed, None, self.cache_dir, may_build=self.may_build)
+                     for s in self.sources]
             lengths = [len(p) for p in parts]
             size = sum(lengths) if num_samples is None else min(num_samples, sum(lengths))
-            return BlendedSamples(parts, normalize_weights(lengths), size, self.cache_dir, self.which)
+            return BlendedSamples(parts, normalize_weights(lengths), size, self.cache_dir, self.which,
+                                  may_build=self.may_build)
         weights = normalize_weights(self.weights)
         if num_samples is None:
             raise ValueError("a weighted blend needs a number of samples (Megatron: 'Using client-specified weights "
                              "requires client-specified size')")
         target, requested = blend_sizes(weights, num_samples)
-        parts = [GPTSamples(s, seq_len, seed, n, self.cache_dir) for s, n in zip(self.sources, requested)]
-        return BlendedSamples(parts, normalize_weights(weights), sum(target), self.cache_dir, self.which)
+        parts = [GPTSamples(s, seq_len, seed, n, self.cache_dir, may_build=self.may_build)
+                 for s, n in zip(self.sources, requested)]
+        return BlendedSamples(parts, normalize_weights(weights), sum(target), self.cache_dir, self.which,
+                              may_build=self.may_build)
 
 
 class MegatronBatcher:
@@ -219,13 +259,18 @@ class MegatronBatcher:
     ``--train-iters x --global-batch-size``); the run may read up to the index's length.
     ``start_sample``: a fresh run's first global sample (None: 0). ``state_dict()`` holds
     ``consumed_samples`` and the order's fingerprint; ``load_state_dict`` resumes there on any
-    world size and micro batch.
+    world size and micro batch. ``run_samples``: the samples this run consumes (for ``notes``).
+
+    ``notes``: one line each for a rebuilt stale cache, an index of more than ``MANY_EPOCHS``
+    epochs (its epochs and bytes against the data's), and a ``train_samples`` below what the run
+    consumes; the trainer prints them.
     """
 
     kind = "megatron"
 
     def __init__(self, data: MegatronSplit, micro_batch_size: int, seq_len: int, *, seed: int, train_samples: int,
-                 start_sample: int | None = None, rank: int = 0, world_size: int = 1, vocab_size: int | None = None):
+                 start_sample: int | None = None, rank: int = 0, world_size: int = 1, vocab_size: int | None = None,
+                 run_samples: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside [0, world_size={world_size})")
         self.data, self.micro_batch_size, self.seq_len, self.seed = data, micro_batch_size, seq_len, seed
@@ -236,6 +281,25 @@ class MegatronBatcher:
         if self.consumed_samples >= len(self.samples):
             raise ValueError(f"start sample {self.consumed_samples} is past the {len(self.samples)} samples of "
                              f"{self.samples.describe()} (indexed for {self.train_samples} samples)")
+        self.notes = list(self.samples.notes) + self._sizing_notes(run_samples)
+
+    def _sizing_notes(self, run_samples: int | None) -> list[str]:
+        """Lines for an index that spans many epochs, and for ``train_samples`` below the run's needs."""
+        notes, samples = [], self.samples
+        if samples.num_epochs > MANY_EPOCHS:
+            notes.append(f"data.start_sample / data.train_samples: indexing {self.train_samples} samples of "
+                         f"{samples.describe()} takes {samples.num_epochs} epochs of its data, "
+                         f"{_size(samples.index_bytes())} of index for {_size(samples.data_bytes())} of tokens "
+                         f"(Megatron repeats the data that often to reach global sample {self.train_samples})")
+        needed = int(self.start_sample or 0) + int(run_samples or 0)
+        if run_samples is not None and self.train_samples < needed:
+            said = (f"data.train_samples: {self.train_samples} is fewer than the {needed} samples this run consumes "
+                    f"(start sample {self.start_sample or 0} + {run_samples} = train_steps x global batch)")
+            if len(samples) < needed:
+                raise ValueError(f"{said}, and the index of {samples.describe()} holds {len(samples)}: raise "
+                                 "data.train_samples (or remove it)")
+            notes.append(f"{said}; the index holds {len(samples)} (whole epochs), so the run reads past it")
+        return notes
 
     def __iter__(self) -> MegatronBatcher:
         return self
@@ -276,6 +340,14 @@ class MegatronBatcher:
         if not 0 <= consumed < len(self.samples):
             raise ValueError(f"data state: consumed samples {consumed} outside [0, {len(self.samples)})")
         return consumed
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def _plain(value: Any) -> Any:

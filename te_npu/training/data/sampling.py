@@ -199,7 +199,7 @@ def make_batcher(data: Any, micro_batch_size: int, seq_len: int, *, run_samples:
                 raise ValueError("Megatron's samples need train_samples or run_samples (how many the index covers)")
             train_samples = (start_sample or 0) + run_samples
         return MegatronBatcher(data, micro_batch_size, seq_len, train_samples=train_samples,
-                               start_sample=start_sample, **kwargs)
+                               start_sample=start_sample, run_samples=run_samples, **kwargs)
     cls = next((batcher for kind, batcher in _SAMPLERS if isinstance(data, kind)), TokenBatcher)
     return cls(data, micro_batch_size, seq_len, **kwargs)
 
