@@ -103,6 +103,24 @@ class DeepseekV3ModelSection:
         object.__setattr__(self, "validate_16b", validate)  # the resolved flag (frozen dataclass)
         self.model_config()  # the preset / config.json + overrides must be a model this code implements
 
+    def notes(self) -> tuple[str, ...]:
+        """Lines the run prints once (rank 0) about this section: DeepSeek's balance fields of an HF
+        ``config.json`` (``aux_loss_alpha``, ``seq_aux``, ``topk_method``), which its inference
+        code carries, and what this run does instead."""
+        if self.hf_config is None:
+            return ()
+        path = Path(self.hf_config)
+        raw = json.loads((path if path.is_file() else path / "config.json").read_text(encoding="utf-8"))
+        fields = {k: raw[k] for k in ("aux_loss_alpha", "seq_aux", "topk_method") if k in raw}
+        if not fields:
+            return ()
+        lb = self.load_balance
+        seen = ", ".join(f"{k}={show(v)}" for k, v in fields.items())
+        return (f"model.hf_config carries DeepSeek's balance fields ({seen}): topk_method noaux_tc (top-k on the "
+                f"bias-corrected scores) is what the router does; the balance itself is model.load_balance "
+                f"(seq_aux_loss_coeff={lb.seq_aux_loss_coeff:g}, bias_update_rate={lb.bias_update_rate:g}), "
+                "not aux_loss_alpha / seq_aux",)
+
     def model_config(self) -> DeepseekV3Config:
         """The ``DeepseekV3Config`` this section describes (preset or config.json, then overrides)."""
         source = to_hf_config_dict(PRESETS[self.preset]) if self.preset is not None else self.hf_config

@@ -190,6 +190,8 @@ class Trainer(TrainerStorage):
         try:
             cfg = self._configure(cfg)  # the task's model rules, before anything else; subscriptions
             self._preflight()  # device, the resume step: checks every rank makes alike, before any process group
+            for note in getattr(cfg.model, "notes", tuple)():  # what the task's model section says once
+                self._print_rank0(f" note: {note}")
             hf_start = self._open_hf_start(cfg)  # the HF checkpoint to start from (checked), or None
             self._init_distributed()
             self._claim_folders()  # rank 0: logging.dir writable, checkpoint.dir locked; every rank agrees
@@ -675,11 +677,12 @@ class Trainer(TrainerStorage):
         return stack
 
     def _plot(self) -> None:
-        from te_npu.training.metrics.plots import plot_runs, read_run
+        from te_npu.training.metrics.plots import plot_families, plot_runs, read_run
 
-        out = Path(self.cfg.logging.dir) / "curves.png"
-        plot_runs([(Path(self.cfg.logging.dir).name, read_run(Path(self.cfg.logging.dir), self.cfg.logging.metrics_jsonl))], out)
-        self._print_rank0(f" wrote {out}")
+        log_dir = Path(self.cfg.logging.dir)
+        records = read_run(log_dir, self.cfg.logging.metrics_jsonl)
+        out = [plot_runs([(log_dir.name, records)], log_dir / "curves.png"), *plot_families(records, log_dir, log_dir.name)]
+        self._print_rank0(f" wrote {', '.join(map(str, out))}")
 
     def _losses_and_stop(self, parts: list[LossParts]) -> tuple[dict[str, float], bool]:
         """Each loss part's mean over the micro-batches and ranks (``lm_loss`` and the extras), and

@@ -226,3 +226,17 @@ def test_balance_loss_under_activation_recompute_trains_as_without_it(gen):
         assert forwards == 1 and int(counts.sum()) == 2 * 16 * DSV3_TINY.num_experts_per_tok
         grads.append(model.routers()[0].weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_hf_config_balance_fields_are_named_in_one_line(tmp_path):
+    import json
+
+    from models.deepseek_v3.config import to_hf_config_dict
+    from models.deepseek_v3.model_section import DeepseekV3ModelSection
+
+    fields = {**to_hf_config_dict(DSV3_TINY), "aux_loss_alpha": 0.001, "seq_aux": True, "topk_method": "noaux_tc"}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    (note,) = DeepseekV3ModelSection(hf_config=str(tmp_path)).notes()
+    assert "aux_loss_alpha=0.001, seq_aux=true, topk_method='noaux_tc'" in note and "\n" not in note
+    assert "model.load_balance (seq_aux_loss_coeff=0.0001, bias_update_rate=0.001)" in note
+    assert DeepseekV3ModelSection(preset="dsv3_tiny").notes() == ()

@@ -1,4 +1,6 @@
-"""Training curves of one or several runs in one PNG (loss train + val, grad norm, tokens/s, lr)."""
+"""Training curves of one or several runs in one PNG (loss train + val, grad norm, tokens/s, lr),
+and a run's families of per-part metrics (``<family>/<part>/<field>`` keys of its train records,
+e.g. DeepSeek-V3's ``moe/layer_3/load_cv``): one PNG per family, a panel per field, a line per part."""
 from __future__ import annotations
 
 import math
@@ -11,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 from te_npu.training.metrics.log import read_metrics  # noqa: E402
 
-__all__ = ["PANELS", "read_run", "series", "plot_runs"]
+__all__ = ["PANELS", "read_run", "series", "plot_runs", "metric_families", "plot_families"]
 
 PANELS = (  # (title, record kind, field, log-scale y)
     ("lm loss", "train", "lm_loss", False),
@@ -67,3 +69,47 @@ def plot_runs(runs: list[tuple[str, list[dict]]], out: Path, smooth: float = 0.0
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def metric_families(records: list[dict]) -> dict[str, dict[str, list[str]]]:
+    """``{family: {field: [part, ...]}}`` of the numeric ``<family>/<part>/<field>`` keys of the train records."""
+    families: dict[str, dict[str, list[str]]] = {}
+    for record in records:
+        if record.get("kind") != "train":
+            continue
+        for key, value in record.items():
+            parts = key.split("/")
+            if len(parts) == 3 and isinstance(value, (int, float)) and not isinstance(value, bool):
+                names = families.setdefault(parts[0], {}).setdefault(parts[2], [])
+                if parts[1] not in names:
+                    names.append(parts[1])
+    return families
+
+
+def plot_families(records: list[dict], out_dir: Path, title: str | None = None) -> list[Path]:
+    """One PNG per metric family (``metric_families``) in ``out_dir``, ``<family>.png``; returns them."""
+    written = []
+    for family, fields in metric_families(records).items():
+        cols = min(len(fields), 3)
+        rows = math.ceil(len(fields) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+        for ax, (field, parts) in zip(axes.flat, fields.items()):
+            for part in parts:
+                steps, values = series(records, "train", f"{family}/{part}/{field}")
+                ax.plot(steps, values, label=part, linewidth=1.0)
+            ax.set_title(f"{family}: {field}")
+            ax.set_xlabel("iteration")
+            ax.grid(alpha=0.3)
+            if len(parts) <= 12:
+                ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(fields):]:
+            ax.axis("off")
+        if title:
+            fig.suptitle(f"{title}: {family}")
+        fig.tight_layout()
+        out = Path(out_dir) / f"{family}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        written.append(out)
+    return written

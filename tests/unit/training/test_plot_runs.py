@@ -23,3 +23,18 @@ def test_plot_runs_writes_png(tmp_path, load_script):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     steps, values = series(read_run(tmp_path / "bf16", "metrics.jsonl"), "val", "lm_loss")
     assert steps == [10, 20] and len(values) == 2
+
+
+def test_plot_families_draws_each_per_part_metric_family(tmp_path):
+    from te_npu.training.metrics.plots import metric_families, plot_families
+
+    with MetricsLogger(tmp_path, train_steps=3, print_fn=lambda _: None) as log:
+        for step in (1, 2, 3):
+            log.log_step(step, lm_loss=1.0, lr=1e-3, grad_norm=1.0, elapsed_ms=1.0, global_batch_size=8,
+                         consumed_samples=8 * step, tokens_per_s=1.0,
+                         extra={"moe/layer_1/load_cv": 1.0 / step, "moe/layer_2/load_cv": 0.5,
+                                "moe/layer_1/load_min": 0.1, "note": "not a family", "a/b": 1.0})
+    records = read_run(tmp_path)
+    assert metric_families(records) == {"moe": {"load_cv": ["layer_1", "layer_2"], "load_min": ["layer_1"]}}
+    (out,) = plot_families(records, tmp_path / "plots", "run")
+    assert out.name == "moe.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
