@@ -41,10 +41,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ("bf16", "mxfp8", "hif8", "mxfp8_floor")
+RECIPES = ("bf16", "mxfp8", "hif8", "mxfp8_floor", "mxfp8_no_balance")
 # run name -> (recipe file stem, extra overrides): mxfp8 is the default (round-up, scale_alg: ceil)
-# scale rule; mxfp8_floor the same recipe with the OCP floor rule chosen explicitly
-VARIANTS = {"mxfp8_floor": ("mxfp8", ["low_precision.scale_alg=floor"])}
+# scale rule; mxfp8_floor the same recipe with the OCP floor rule chosen explicitly;
+# mxfp8_no_balance the same recipe with DeepSeek-V3's expert balancing switched off
+VARIANTS = {"mxfp8_floor": ("mxfp8", ["low_precision.scale_alg=floor"]),
+            "mxfp8_no_balance": ("mxfp8", ["model.load_balance.bias_update_rate=0",
+                                           "model.load_balance.seq_aux_loss_coeff=0"])}
 DEFAULT_MODEL_OVERRIDES = ""
 ACCEPT_GAP = 0.05  # the issue's acceptance: final validation loss within 5% of BF16
 
@@ -286,7 +289,8 @@ def plot(out_png: Path, runs: dict, summaries: dict, profiles: dict, title: str)
 
     from te_npu.training.metrics.plots import series
 
-    colors = {"bf16": "tab:blue", "mxfp8": "tab:orange", "hif8": "tab:green", "mxfp8_floor": "tab:red"}
+    colors = {"bf16": "tab:blue", "mxfp8": "tab:orange", "hif8": "tab:green", "mxfp8_floor": "tab:red",
+              "mxfp8_no_balance": "tab:purple", "mxfp8_mtp": "tab:brown"}
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     ax = axes[0, 0]
     for name, records in runs.items():
@@ -363,6 +367,26 @@ def _gap_by_step(runs: dict) -> list[str]:
     return out + [""]
 
 
+def _routing_table(routing: dict, cfg_dict: dict) -> list[str]:
+    """Per run and MoE layer: the expert loads of the final checkpoint on held-out text
+    (``scripts/routing_report.py``)."""
+    if not routing:
+        return []
+    t, lb = cfg_dict["training"], cfg_dict["model"].get("load_balance", {})
+    lines = ["## Expert routing on held-out text", "",
+             f"Each run's final checkpoint routes 32 validation batches ({t['micro_batch_size']} x {t['seq_len']} "
+             "tokens) in evaluation mode, bias included (`scripts/routing_report.py`). Balancing as shipped: "
+             f"`model.load_balance` bias_update_rate {lb.get('bias_update_rate')}, seq_aux_loss_coeff "
+             f"{lb.get('seq_aux_loss_coeff')}; `mxfp8_no_balance` switches both off.", "",
+             "| run | layer | coefficient of variation | busiest / mean | idlest / mean | experts < 10 % of mean |",
+             "|---|---|---|---|---|---|"]
+    for name, layers in routing.items():
+        for label, r in layers.items():
+            lines.append(f"| {name} | {label} | {r['load_cv']:.2f} | {r['load_max']:.2f} | {r['load_min']:.2f} | "
+                         f"{r['experts_under_10pct']} |")
+    return lines + [""]
+
+
 def _wall(walls: dict, name: str) -> str:
     w = walls.get(name)
     if not isinstance(w, dict):
@@ -375,7 +399,7 @@ def pct(x: float) -> str:
 
 
 def write_report(args, out_md: Path, out_png: Path, runs: dict, summaries: dict, profiles: dict, walls: dict,
-                 cfg_dict: dict) -> str:
+                 cfg_dict: dict, routing: dict | None = None) -> str:
     t = cfg_dict["training"]
     base = summaries.get("bf16")
     lines = [
@@ -462,6 +486,7 @@ def write_report(args, out_md: Path, out_png: Path, runs: dict, summaries: dict,
         lines += ["", f"Overall: **{'holds' if verdicts and all(verdicts) else 'does NOT hold'}** for this run.", ""]
         lines += _gap_by_step(runs)
     lines += [
+        *_routing_table(routing or {}, cfg_dict),
         "## Time shares (torch.profiler)",
         "",
         f"A separate run per recipe (same config), {args.profile_warmup} warm-up steps, then {args.profile_steps} "
@@ -570,7 +595,12 @@ def main(argv: list[str] | None = None) -> int:
             wall = launch(cmd, run_dir / "train.log", args.threads)
             walls[name] = {"wall_s": wall, "load_start": load_start, "load_end": os.getloadavg()[0],
                            "finished": time.strftime("%H:%M:%S")}
-            print(f"[{name}] done in {wall:.0f} s; profiling {args.profile_steps} steps", flush=True)
+            print(f"[{name}] done in {wall:.0f} s; routing held-out text", flush=True)
+            launch([sys.executable, str(REPO / "scripts" / "routing_report.py"), "--config", str(config),
+                    "--json", str(run_dir / "routing.json"),
+                    *run_overrides(args, name, run_dir, args.steps, eval_interval=args.eval_interval)],
+                   run_dir / "routing.log", args.threads)
+            print(f"[{name}] profiling {args.profile_steps} steps", flush=True)
             prof_dir = out / name / "profile"
             cmd = torchrun(2, free_port()) + [str(Path(__file__).resolve()), *passthrough,
                                               "--profile-worker", name, "--profile-dir", str(prof_dir)]
@@ -584,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     from te_npu.training.metrics.log import read_metrics
 
     runs = {name: read_metrics(out / name / "metrics.jsonl") for name in recipes}
+    routing = {name: json.loads((out / name / "routing.json").read_text()) for name in recipes
+               if (out / name / "routing.json").exists()}
     summaries = {name: summarize(records, args.skip_steps) for name, records in runs.items()}
     profiles = {name: read_profile(out / name / "profile") for name in recipes}
     cfg = load_config(recipe_file(recipes[0]),
@@ -591,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"tiny DeepSeek-V3, {args.steps} steps, 2 CPU ranks (MXFP8/HiF8 emulated) - "
              f"{cfg.tokens_per_step} tokens/step")
     plot(png, runs, summaries, profiles, title)
-    text = write_report(args, md, png, runs, summaries, profiles, walls, cfg.to_dict())
+    text = write_report(args, md, png, runs, summaries, profiles, walls, cfg.to_dict(), routing)
     print(text)
     print(f"wrote {md} and {png}")
     return 0
