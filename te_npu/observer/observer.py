@@ -25,7 +25,7 @@ a few reductions on its device (no host sync); layers outside ``layers`` cost on
 test per event.
 
 Accumulation and reduction. Micro-batches (and a recompute's replayed forward) add into the step.
-At ``end_step`` the ranks reduce with ONE collective: an ``all_gather_into_tensor`` of one FP64
+At ``end_step`` the ranks reduce with ONE collective: an ``all_gather_single`` of one FP64
 vector holding every slot's fields (sums and maxima combined on each rank afterwards), then one
 host copy. The slots must be the same on every rank, so with more than one rank the observer
 needs the model (``attach``): its slots are the model's TE GEMMs that ``layers`` selects, times
@@ -231,7 +231,7 @@ class PrecisionObserver:
 
 
 def _reduce_over_ranks(stacked: torch.Tensor, group, *, attached: bool) -> torch.Tensor:
-    """``[slots, fields]`` combined over the ranks of ``group`` with one ``all_gather_into_tensor``."""
+    """``[slots, fields]`` combined over the ranks of ``group`` with one ``all_gather_single``."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return stacked
     if not attached:
@@ -239,7 +239,7 @@ def _reduce_over_ranks(stacked: torch.Tensor, group, *, attached: bool) -> torch
                            "attach(model) first (PrecisionObserver(config, model))")
     world = dist.get_world_size(group)
     gathered = stacked.new_empty((world, stacked.numel()))
-    dist.all_gather_into_tensor(gathered, stacked.reshape(-1).contiguous(), group=group)
+    dist.all_gather_single(gathered.view(-1), stacked.reshape(-1).contiguous(), group=group)
     per_rank = gathered.view(world, *stacked.shape)
     return torch.cat([per_rank[..., :_NUM_SUMS].sum(0), per_rank[..., _NUM_SUMS:].amax(0)], dim=-1)
 
