@@ -101,6 +101,10 @@ class OperandEvent:
     HiF8 copy serves both; shape: the source tensor's shape; format: ``Format`` value string;
     scale: the operand's scale, detached, in the backend's layout (HiF8: FP32 ``[]`` / ``[E]``;
     MXFP8: uint8 E8M0 codes); format_max: HiF8's target maximum, None for MXFP8.
+    gemm: the GEMM that consumes this copy ("fprop", "dgrad" or "wgrad"; a HiF8 copy that serves
+    two GEMMs is reported once per GEMM); operand: the ``te_npu.ops.QuantizedOperand`` itself (its
+    codes and scales as the GEMM reads them, ``npu`` layout included); source: the detached
+    high-precision tensor it was quantized from (what ``te_npu.observer`` measures it against).
     A weight read from a quantized parameter is not a quantization and emits nothing.
     """
 
@@ -111,6 +115,9 @@ class OperandEvent:
     format: str
     scale: torch.Tensor
     format_max: float | None = None
+    gemm: str | None = None
+    operand: object | None = None
+    source: torch.Tensor | None = None
 
     @property
     def amax(self) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from te_npu.numerics import hif8
+from te_npu.numerics.constants import E4M3_MAX, HIF8_MAX
 
 Orientation = Literal["row", "col"]
 """Which axis an operand is blocked along, relative to its own layout.
@@ -85,7 +86,9 @@ class FormatSpec:
     the reduction (folded into each operand), so every operand must be blocked along its GEMM's
     reduction dim and needs a copy per orientation; a per-tensor format's scale multiplies the
     GEMM product, and one copy serves both orientations. per_expert_scale: a 3D ``[E, N, K]``
-    tensor of a per-tensor format carries one scale per expert (leading index).
+    tensor of a per-tensor format carries one scale per expert (leading index). element_max: the
+    largest finite magnitude of one 8-bit element before its scale (a source value above
+    ``element_max * scale`` is clipped: saturated, or Inf for HiF8 past its overflow threshold).
     """
 
     format: Format
@@ -94,6 +97,7 @@ class FormatSpec:
     block_size: int | None
     per_expert_scale: bool
     npu: NpuFormatArgs
+    element_max: float
 
     @property
     def blocked(self) -> bool:
@@ -142,6 +146,7 @@ _SPECS = {
         block_size=32,  # OCP MX v1.0 (te_npu.numerics.constants.MX_BLOCK_SIZE)
         per_expert_scale=False,  # blocks: a 3D weight is blocked per expert matrix anyway
         npu=NpuFormatArgs(data_dtype=None, scale_dtype="float8_e8m0fnu", group_sizes=(1, 1, 32)),
+        element_max=E4M3_MAX,
     ),
     Format.HIF8: FormatSpec(
         format=Format.HIF8,
@@ -150,6 +155,7 @@ _SPECS = {
         block_size=None,
         per_expert_scale=True,
         npu=NpuFormatArgs(data_dtype="hifloat8", scale_dtype=None, group_sizes=None),
+        element_max=HIF8_MAX,
     ),
 }
 

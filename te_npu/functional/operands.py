@@ -65,6 +65,18 @@ class GemmNumerics:
         return self.quantizers[role]
 
 
+_CONSUMING_GEMM = {
+    (QuantizationRole.INPUT_FWD, "row"): "fprop",
+    (QuantizationRole.WEIGHT_FWD, "row"): "fprop",
+    (QuantizationRole.GRAD_OUTPUT, "row"): "dgrad",
+    (QuantizationRole.WEIGHT_BWD, "col"): "dgrad",
+    (QuantizationRole.GRAD_OUTPUT, "col"): "wgrad",
+    (QuantizationRole.INPUT_BWD, "col"): "wgrad",
+}
+"""(role, orientation the GEMM reads) -> the GEMM that consumes the operand (the tables of
+``linear.py`` / ``grouped_linear.py``)."""
+
+
 @dataclass(frozen=True)
 class GemmContext:
     """Non-numerics call context: the GEMM's name, for error messages and ``OperandEvent`` s.
@@ -75,11 +87,14 @@ class GemmContext:
     name: str = "te_npu.functional"
 
     def record(self, role: QuantizationRole, orientation: str, quantizer: Quantizer, source: torch.Tensor,
-               operand: QuantizedOperand) -> None:
-        """Report one operand of this GEMM to the event stream (nothing when nobody listens)."""
+               operand: QuantizedOperand, slot: Orientation | None = None) -> None:
+        """Report one operand of this GEMM to the event stream (nothing when nobody listens).
+        ``slot``: the orientation the consuming GEMM reads it in (default ``orientation``)."""
         if events.has_subscribers(events.OperandEvent):
             events.emit(events.OperandEvent(self.name, role, orientation, tuple(source.shape), operand.format.value,
-                                            operand.scale.detach(), getattr(quantizer, "format_max", None)))
+                                            operand.scale.detach(), getattr(quantizer, "format_max", None),
+                                            gemm=_CONSUMING_GEMM[role, slot or orientation], operand=operand,
+                                            source=source.detach()))
 
 
 def unavailable(context: GemmContext, numerics: GemmNumerics, reason: str) -> LowPrecisionUnavailableError:
@@ -117,8 +132,8 @@ def quantize_pair(numerics: GemmNumerics, context: GemmContext, tensor: torch.Te
     # direction (per-tensor formats); block formats need a copy per orientation
     if row_q == col_q and spec(numerics.format).one_copy_for_both_orientations:
         row = row_q.quantize(tensor, orientation="row", group_list=group_list)
-        context.record(row_role, "both", row_q, tensor, row)
-        context.record(col_role, "both", col_q, tensor, row)
+        context.record(row_role, "both", row_q, tensor, row, slot="row")
+        context.record(col_role, "both", col_q, tensor, row, slot="col")
         return row, dataclasses.replace(row, orientation="col")
     if row_q == col_q and group_list is None and hasattr(row_q, "quantize_dual"):
         row, col = row_q.quantize_dual(tensor)

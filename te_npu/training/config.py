@@ -36,6 +36,7 @@ from typing import Any, Literal, get_type_hints
 
 from te_npu.distributed.sharding import validate_parallel_config
 from te_npu.errors import ConfigError
+from te_npu.observer import ObserverConfig
 from te_npu.ops.capability import CAPABILITY_CHECKS
 from te_npu.ops.kernels import quant_kernel_device_problem
 from te_npu.recipe import Recipe, recipe_from_config
@@ -380,8 +381,13 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     data: DataConfig
     logging: LoggingConfig
+    precision_observer: ObserverConfig = ObserverConfig()
+    """Per-GEMM quantization statistics of observed steps (``te_npu.observer``); off by default."""
 
     def __post_init__(self) -> None:
+        if self.precision_observer.enabled and not self.low_precision.enabled:
+            raise ConfigError("precision_observer.enabled: true needs low_precision.enabled: true "
+                              "(a BF16 run quantizes nothing to observe)")
         t, block = self.training, getattr(self.low_precision.recipe, "block_size", None)
         if block and (t.micro_batch_size * t.seq_len) % block:
             raise ConfigError(

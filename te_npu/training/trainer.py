@@ -55,6 +55,7 @@ from te_npu.distributed.mesh import dp_mesh
 from te_npu.compat import default_store, set_process_group_timeout
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
+from te_npu.observer import PrecisionObserver, StepFigures, quantized_weights
 from te_npu.ops import require_low_precision, use_quant_kernel
 from te_npu.ops.capability import capability_waived
 from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
@@ -137,6 +138,8 @@ class StepRecord:
     """The task's named loss parts (``LossParts.extras``), averaged like ``lm_loss``."""
     report: StepReport | None = None
     """What the task's ``step_end`` reported for this step (None: no such hook)."""
+    precision: StepFigures | None = None
+    """The precision observer's figures of this step (None: not observed; ``te_npu.observer``)."""
 
 
 class Trainer(TrainerStorage):
@@ -163,6 +166,7 @@ class Trainer(TrainerStorage):
         self._print = print_fn
         self.stop = stop
         self.global_step = 0
+        self._observer: PrecisionObserver | None = None  # set by _open_metrics when precision_observer is on
         self.skipped_iterations = 0
         self.grad_norm: float | None = None
         self.lineage: str | None = None  # the run the checkpoints belong to (kept across resumes)
@@ -426,6 +430,8 @@ class Trainer(TrainerStorage):
             self.recipe.format.value if self.recipe is not None else None, self.device.type)
         if self.stop is not None and cfg.checkpoint.save_on_sigterm:
             self.stop.graceful = True
+        # the precision observer (te_npu.observer): None when off, so the step path is untouched
+        self._observer = PrecisionObserver(cfg.precision_observer, self.model) if cfg.precision_observer.enabled else None
 
     # ---- one step ----------------------------------------------------------------------------
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], loss_scale: float = 1.0) -> LossParts:
@@ -471,8 +477,13 @@ class Trainer(TrainerStorage):
         self._synchronize()
         start = time.perf_counter()
         with self._warm_up("step") as limit:  # each piece bounded by collective_timeout_s (warm-up: its own)
+            observing = self._observer is not None and self._observer.begin_step(
+                step + 1, weights=quantized_weights(self.optimizer))  # the weights this step's GEMMs read
             with self._watch.phase("forward/backward", step + 1, limit_s=limit):
                 parts = [self.forward_backward(b, 1.0 / len(micro_batches)) for b in micro_batches]
+            if observing:
+                with self._watch.phase("precision observer", step + 1, limit_s=limit):
+                    precision = self._observer.end_step()  # one collective
             with self._watch.phase("optimizer step", step + 1, limit_s=limit):
                 result = self.optimizer_step()
             with self._watch.phase("task step end", step + 1, limit_s=limit):
@@ -485,7 +496,7 @@ class Trainer(TrainerStorage):
         tokens = sum(b[0].numel() for b in micro_batches) * self.world_size
         lm_loss = losses.pop("lm_loss")
         return StepRecord(step + 1, lm_loss, result.grad_norm, lr, result.updated, elapsed * 1e3, tokens / elapsed,
-                          loss_extras=losses, report=report)
+                          loss_extras=losses, report=report, precision=precision if observing else None)
 
     def _task_step_end(self, step: int, updated: bool) -> StepReport | None:
         """The task's once-per-step hook (``TrainTask.step_end``), if it has one."""
@@ -590,14 +601,14 @@ class Trainer(TrainerStorage):
             report = record.report or StepReport()
             for warning in report.warnings:
                 self._print_rank0(f" warning: {warning}")
-            if step % t.log_interval == 0 or step == t.train_steps:
+            if step % t.log_interval == 0 or step == t.train_steps or record.precision is not None:
+                extra, summary = _with_precision(record.precision, dict(report.metrics), report.summary)
                 self.logger.log_step(
                     step, lm_loss=record.lm_loss, lr=record.lr, grad_norm=record.grad_norm,
                     elapsed_ms=record.elapsed_ms, global_batch_size=global_batch,
                     consumed_samples=self.batcher.consumed_samples, tokens_per_s=record.tokens_per_s,
                     skipped_iterations=self.skipped_iterations, peak_mem_mb=peak_memory_mb(self.device),
-                    **self._throughput(record), losses=record.loss_extras, extra=dict(report.metrics),
-                    summary=report.summary,
+                    **self._throughput(record), losses=record.loss_extras, extra=extra, summary=summary,
                 )
             try:
                 guard.check(step, record.lm_loss, record.updated, record.grad_norm)
@@ -677,12 +688,14 @@ class Trainer(TrainerStorage):
         return stack
 
     def _plot(self) -> None:
-        from te_npu.training.metrics.plots import plot_families, plot_runs, read_run
+        from te_npu.training.metrics.plots import plot_families, plot_precision, plot_runs, read_run
 
         log_dir = Path(self.cfg.logging.dir)
         records = read_run(log_dir, self.cfg.logging.metrics_jsonl)
         out = [plot_runs([(log_dir.name, records)], log_dir / "curves.png"), *plot_families(records, log_dir, log_dir.name)]
-        self._print_rank0(f" wrote {', '.join(map(str, out))}")
+        if self._observer is not None:
+            out.append(plot_precision(records, log_dir / "precision.png"))
+        self._print_rank0(f" wrote {', '.join(str(p) for p in out if p is not None)}")
 
     def _losses_and_stop(self, parts: list[LossParts]) -> tuple[dict[str, float], bool]:
         """Each loss part's mean over the micro-batches and ranks (``lm_loss`` and the extras), and
@@ -726,3 +739,10 @@ def _other_dtype_modules(model: nn.Module, dtype: torch.dtype) -> list[nn.Module
         if m is not model and not isinstance(m, TEModule) and any(p.dtype != dtype for p in m.parameters(recurse=False))
     ]
 
+
+
+def _with_precision(figures: StepFigures | None, extra: dict, summary: str | None) -> tuple[dict, str | None]:
+    """The step line's extras and summary with the precision observer's figures added (observed steps)."""
+    if figures is None:
+        return extra, summary
+    return {**extra, **figures.metrics()}, " | ".join(s for s in (summary, figures.summary()) if s)

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autocast", "moe"),
     ("functional", "activation_checkpoint"),
     ("modules",),
-    ("quantize_weights",),
+    ("quantize_weights", "observer"),  # observer: per-GEMM quantization statistics over the event stream
     ("distributed",),                  # FSDP2 extension, master-weight optimizer, DCP / HF checkpoints
     ("__init__",),                     # te_npu's public API
     ("training",),                     # the generic trainer

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 from te_npu.training.metrics.log import read_metrics  # noqa: E402
 
-__all__ = ["PANELS", "read_run", "series", "plot_runs", "metric_families", "plot_families"]
+__all__ = ["PANELS", "read_run", "series", "plot_runs", "metric_families", "plot_families", "plot_precision"]
 
 PANELS = (  # (title, record kind, field, log-scale y)
     ("lm loss", "train", "lm_loss", False),
@@ -113,3 +113,40 @@ def plot_families(records: list[dict], out_dir: Path, title: str | None = None) 
         plt.close(fig)
         written.append(out)
     return written
+
+
+PRECISION_PANELS = (("sqnr_db", "SQNR (dB), lowest tensors", False), ("underflow", "underflow fraction, highest", True))
+
+
+def plot_precision(records: list[dict], out: Path, worst: int = 6, prefix: str = "precision/") -> Path | None:
+    """The precision observer's worst tensors over the run (``te_npu.observer``): the ``worst``
+    keys by lowest SQNR and by highest underflow (each at its worst observed step), one line per
+    tensor over the observed steps. None (no file) when the records hold no observer figures."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    drew = False
+    for ax, (stat, title, highest) in zip(axes, PRECISION_PANELS):
+        suffix = f"/{stat}"
+        keys = sorted({k for r in records if r.get("kind") == "train" for k in r if k.startswith(prefix) and k.endswith(suffix)})
+        worst_of = {}
+        for key in keys:
+            values = [float(v) for v in series(records, "train", key)[1] if math.isfinite(float(v))]
+            if values:
+                worst_of[key] = max(values) if highest else min(values)
+        chosen = sorted(worst_of, key=lambda k: -worst_of[k] if highest else worst_of[k])[:worst]
+        for key in chosen:
+            steps, values = series(records, "train", key)
+            ax.plot(steps, values, marker="o", markersize=3, linewidth=1.2, label=key[len(prefix):-len(suffix)])
+            drew = True
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        if chosen:
+            ax.legend(fontsize=7)
+    if not drew:
+        plt.close(fig)
+        return None
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
