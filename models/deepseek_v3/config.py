@@ -3,10 +3,9 @@
 ``DeepseekV3Config`` carries only what the model implements. Fields that exist in HF
 configs but are not implemented here fail with a ``te_npu.ConfigError`` naming the field
 (tensor / expert parallel sizes > 1, rope scaling, tied embeddings, ...). One is carried
-without being built: ``num_nextn_predict_layers`` (DeepSeek-V3's multi-token-prediction
-layers; transformers' default and the releases' value is 1). The main model is built and
-trained without them; an HF checkpoint's MTP tensors (``model.layers.{num_hidden_layers + i}.*``)
-are left out, said in one line; an export writes the field as its source had it.
+``num_nextn_predict_layers`` = D builds D multi-token-prediction layers after the main ones
+(``model.layers.{num_hidden_layers + k}``, DeepSeek-V3's checkpoint numbering; ``mtp.py``);
+transformers' default and the releases' value is 1, the frozen 16B spec's is 0.
 """
 from __future__ import annotations
 
@@ -20,10 +19,15 @@ import te_npu
 
 __all__ = [
     "DeepseekV3Config", "from_hf_config", "to_hf_config_dict", "TRANSFORMERS_VERSION", "DSV3_16B", "DSV3_TINY", "DSV3_16B_NUM_PARAMS",
+    "DSV3_16B_MTP_LAYER_PARAMS",
     "expected_low_precision_scope", "expected_parameter_shapes", "validate_16b",
 ]
 
 DSV3_16B_NUM_PARAMS = 16_585_005_056  # seed spec section 4.1; router bias buffers are not parameters
+DSV3_16B_MTP_LAYER_PARAMS = 603_730_944
+"""Parameters of one MTP layer of the 16B (``num_nextn_predict_layers`` = 1 adds them): a MoE
+decoder layer (595,336,192) + ``eh_proj`` [2048, 4096] + ``enorm``, ``hnorm``,
+``shared_head.norm`` [2048] each; the embedding and head are shared, not counted again."""
 
 
 @dataclass(frozen=True)
@@ -208,9 +212,10 @@ DSV3_TINY = DeepseekV3Config(
 def expected_low_precision_scope(config: DeepseekV3Config) -> list[str]:
     """Explicit FQNs of the 8-bit GEMM modules (spec 1.1 / Q3-04), in module order: every MLA
     q/kv/o projection, every dense and shared-expert projection, every routed-experts module.
-    Nothing else (embedding, lm_head, router, norms, core attention) is listed."""
+    MTP layers (``num_hidden_layers + k``) add their ``eh_proj``. Nothing else (embedding,
+    lm_head, router, norms, core attention) is listed."""
     names = []
-    for i in range(config.num_hidden_layers):
+    for i in range(config.num_hidden_layers + config.num_nextn_predict_layers):
         attn = f"model.layers.{i}.self_attn"
         q = [f"{attn}.q_proj"] if config.q_lora_rank is None else [f"{attn}.q_a_proj", f"{attn}.q_b_proj"]
         names += [*q, f"{attn}.kv_a_proj_with_mqa", f"{attn}.kv_b_proj", f"{attn}.o_proj"]
@@ -219,6 +224,8 @@ def expected_low_precision_scope(config: DeepseekV3Config) -> list[str]:
             names += [f"{mlp}.experts", *(f"{mlp}.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj"))]
         else:
             names += [f"{mlp}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        if i >= config.num_hidden_layers:
+            names.append(f"model.layers.{i}.eh_proj")
     return names
 
 
@@ -226,7 +233,7 @@ def expected_parameter_shapes(config: DeepseekV3Config) -> dict[str, tuple[int, 
     """Every parameter FQN -> shape (HF names; router bias buffers excluded)."""
     c, D = config, config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, D)}
-    for i in range(c.num_hidden_layers):
+    for i in range(c.num_hidden_layers + c.num_nextn_predict_layers):
         a = f"model.layers.{i}.self_attn"
         q_out = c.num_attention_heads * c.qk_head_dim
         if c.q_lora_rank is None:
@@ -252,6 +259,10 @@ def expected_parameter_shapes(config: DeepseekV3Config) -> dict[str, tuple[int, 
                        f"{prefix}.down_proj.weight": (D, F_mlp)})
         shapes.update({f"model.layers.{i}.input_layernorm.weight": (D,),
                        f"model.layers.{i}.post_attention_layernorm.weight": (D,)})
+        if i >= c.num_hidden_layers:  # an MTP layer
+            shapes.update({f"model.layers.{i}.enorm.weight": (D,), f"model.layers.{i}.hnorm.weight": (D,),
+                           f"model.layers.{i}.eh_proj.weight": (D, 2 * D),
+                           f"model.layers.{i}.shared_head.norm.weight": (D,)})
     shapes.update({"model.norm.weight": (D,), "lm_head.weight": (c.vocab_size, D)})
     return shapes
 
@@ -260,30 +271,35 @@ def validate_16b(model: Any) -> None:
     """Check a built model against the frozen 16B spec; raise ``ConfigError`` at the first mismatch.
 
     Order: config fields, layer count, dense/MoE layout and expert count per layer, every
-    parameter name and shape, then the total parameter count (16,585,005,056).
+    parameter name and shape, then the total parameter count (16,585,005,056, plus
+    ``DSV3_16B_MTP_LAYER_PARAMS`` per MTP layer). The spec builds no MTP; a model with
+    ``num_nextn_predict_layers`` = D is the spec plus D MTP layers (the field alone may differ).
     """
+    mtp = model.config.num_nextn_predict_layers
+    spec = DSV3_16B.replace(num_nextn_predict_layers=mtp)
     for f in fields(DSV3_16B):
-        got, want = getattr(model.config, f.name), getattr(DSV3_16B, f.name)
+        got, want = getattr(model.config, f.name), getattr(spec, f.name)
         if got != want:
             raise te_npu.ConfigError(f"validate_16b: config field {f.name} = {got!r}, the 16B spec has {want!r}")
     layers = model.model.layers
-    if len(layers) != DSV3_16B.num_hidden_layers:
-        raise te_npu.ConfigError(f"validate_16b: {len(layers)} decoder layers, expected {DSV3_16B.num_hidden_layers}")
+    if len(layers) != spec.num_hidden_layers + mtp:
+        raise te_npu.ConfigError(f"validate_16b: {len(layers)} decoder layers, expected {spec.num_hidden_layers} "
+                                 f"+ {mtp} MTP")
     for i, layer in enumerate(layers):
         is_moe = hasattr(layer.mlp, "experts")
-        if is_moe != DSV3_16B.is_moe_layer(i):
+        if is_moe != spec.is_moe_layer(i):
             raise te_npu.ConfigError(f"validate_16b: model.layers.{i}.mlp is {'MoE' if is_moe else 'dense'}, "
-                                     f"expected {'MoE' if DSV3_16B.is_moe_layer(i) else 'dense'}")
-        if is_moe and layer.mlp.experts.num_experts != DSV3_16B.n_routed_experts:
+                                     f"expected {'MoE' if spec.is_moe_layer(i) else 'dense'}")
+        if is_moe and layer.mlp.experts.num_experts != spec.n_routed_experts:
             raise te_npu.ConfigError(f"validate_16b: model.layers.{i}.mlp.experts has "
-                                     f"{layer.mlp.experts.num_experts} experts, expected {DSV3_16B.n_routed_experts}")
-    expected = expected_parameter_shapes(DSV3_16B)
+                                     f"{layer.mlp.experts.num_experts} experts, expected {spec.n_routed_experts}")
+    expected = expected_parameter_shapes(spec)
     actual = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for name, shape in expected.items():
         if actual.get(name) != shape:
             raise te_npu.ConfigError(f"validate_16b: parameter {name} has shape {actual.get(name)}, expected {shape}")
     for name in actual.keys() - expected.keys():
         raise te_npu.ConfigError(f"validate_16b: unexpected parameter {name}")
-    total = sum(p.numel() for p in model.parameters())
-    if total != DSV3_16B_NUM_PARAMS:
-        raise te_npu.ConfigError(f"validate_16b: {total:,} parameters, expected {DSV3_16B_NUM_PARAMS:,}")
+    total, want = sum(p.numel() for p in model.parameters()), DSV3_16B_NUM_PARAMS + mtp * DSV3_16B_MTP_LAYER_PARAMS
+    if total != want:
+        raise te_npu.ConfigError(f"validate_16b: {total:,} parameters, expected {want:,}")

@@ -7,7 +7,9 @@ K experts per token, F intermediate size, O vocabulary.
 Precision boundary (spec 1.1): the MLA projections, the dense / shared-expert MLP projections
 (``te_npu.TELinear``) and the routed experts (``te_npu.TEGroupedSwiGLUExperts``) are the GEMMs
 that ``te_npu.autocast`` runs in 8 bits. Embedding, lm_head, the FP32 router, RMSNorm, RoPE and
-core attention always stay in high precision.
+core attention always stay in high precision. The MTP layers (``models/deepseek_v3/mtp.py``)
+keep that boundary: their attention, experts and ``eh_proj`` run in 8 bits, their norms,
+router and the shared embedding / head in high precision.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from torch import nn
 import te_npu
 from models.deepseek_v3.config import DeepseekV3Config
 from models.deepseek_v3.load_balance import sequence_balance_loss
+from models.deepseek_v3.mtp import mtp_cross_entropy, mtp_depths
 
-__all__ = ["DeepseekV3ForCausalLM", "CausalLMOutput", "materialize_", "init_weights_", "initial_value",
+__all__ = ["DeepseekV3ForCausalLM", "CausalLMOutput", "MTPLayer", "materialize_", "init_weights_", "initial_value",
            "low_precision_scope"]
 
 _LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
@@ -229,19 +232,54 @@ class DecoderLayer(nn.Module):
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
 
 
+class SharedHead(nn.Module):
+    """The MTP layer's own norm before the shared output head (HF ``shared_head.norm``; the
+    checkpoint's ``shared_head.head`` is a copy of ``lm_head``, not a module here)."""
+
+    def __init__(self, cfg: DeepseekV3Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class MTPLayer(DecoderLayer):
+    """MTP depth k (technical report 2.2), HF layer ``num_hidden_layers + k - 1``:
+    ``h_k = block(eh_proj([enorm(emb(t_{i+k})); hnorm(h_{k-1})]))``, the block a MoE decoder
+    layer. ``eh_proj`` is an 8-bit TE linear, as Megatron builds it (a backend linear run under
+    the FP8 context); ``shared_head.norm`` feeds the shared ``lm_head``."""
+
+    def __init__(self, cfg: DeepseekV3Config, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__(cfg, layer_idx, dtype)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.eh_proj = _te_linear(2 * cfg.hidden_size, cfg.hidden_size, dtype)
+        self.shared_head = SharedHead(cfg, dtype)
+
+    def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor, cos_BSh: torch.Tensor,
+                sin_BSh: torch.Tensor) -> torch.Tensor:
+        x_BSD = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_BSD)], dim=-1))
+        return super().forward(x_BSD, cos_BSh, sin_BSh)
+
+
 class DeepseekV3Model(nn.Module):
+    """``layers``: the ``num_hidden_layers`` decoder layers, then the ``num_nextn_predict_layers``
+    MTP layers (as DeepSeek-V3's checkpoints number them); ``forward`` runs the main ones."""
+
     def __init__(self, cfg: DeepseekV3Config, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
+        n = cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList([*(DecoderLayer(cfg, i, dtype) for i in range(n)),
+                                     *(MTPLayer(cfg, n + k, dtype) for k in range(cfg.num_nextn_predict_layers))])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def rope(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(position_ids_BS, self.config.qk_rope_head_dim, self.config.rope_theta, dtype)
 
     def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
         x_BSD = self.embed_tokens(input_ids_BS)
-        cfg = self.config
-        cos_BSh, sin_BSh = rope_cos_sin(position_ids_BS, cfg.qk_rope_head_dim, cfg.rope_theta, x_BSD.dtype)
-        for layer in self.layers:
+        cos_BSh, sin_BSh = self.rope(position_ids_BS, x_BSD.dtype)
+        for layer in self.layers[: self.config.num_hidden_layers]:
             x_BSD = layer(x_BSD, cos_BSh, sin_BSh)
         return self.norm(x_BSD)
 
@@ -252,6 +290,8 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None     # mean next-token cross-entropy over labels != -100
     balance_loss: torch.Tensor | None = None  # FP32 []: the MoE layers' sequence-wise balance losses, summed
     # (a training forward with seq_aux_loss_coeff > 0; not in ``loss``: add it to what you backpropagate)
+    mtp_logits: tuple[torch.Tensor, ...] = ()  # depth k: [B, S, O], position s predicts token s + k + 1
+    mtp_losses: tuple[torch.Tensor, ...] = ()  # depth k's cross-entropy (with labels; the last k positions ignored)
 
 
 def causal_lm_loss(logits_BSO: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -279,9 +319,16 @@ class DeepseekV3ForCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None) -> CausalLMOutput:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        logits_BSO = self.lm_head(self.model(input_ids, position_ids))
+        h_BSD = self.model(input_ids, position_ids)
+        logits_BSO = self.lm_head(h_BSD)
+        mtp_logits = mtp_depths(self.model.layers[self.config.num_hidden_layers:], self.model.embed_tokens,
+                                self.lm_head, input_ids, h_BSD, self.model.rope(position_ids, h_BSD.dtype))
+        mtp_losses = ()
+        if labels is not None:
+            next_labels_BS = F.pad(labels, (0, 1), value=_IGNORE_INDEX)[:, 1:]
+            mtp_losses = tuple(mtp_cross_entropy(l, next_labels_BS, k) for k, l in enumerate(mtp_logits, start=1))
         return CausalLMOutput(logits_BSO, None if labels is None else causal_lm_loss(logits_BSO, labels),
-                              balance_loss=self._take_balance_losses())
+                              balance_loss=self._take_balance_losses(), mtp_logits=mtp_logits, mtp_losses=mtp_losses)
 
     def routers(self) -> list[TopKRouter]:
         """Every MoE router of the model, in module order."""

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import te_npu
 from models.deepseek_v3.config import DSV3_16B, DSV3_TINY, DeepseekV3Config, from_hf_config, to_hf_config_dict
+from models.deepseek_v3.mtp import MTPSection
 from te_npu.training.schema import option, show
 
 __all__ = ["DeepseekV3ModelSection", "LoadBalanceSection", "HF_DEEPSEEK_V3_FIELDS", "PRESETS"]
@@ -71,6 +72,8 @@ class DeepseekV3ModelSection:
     all of it, including that the resulting ``DeepseekV3Config`` is one the model implements.
     ``load_balance``: how the routers are balanced in training (``LoadBalanceSection``; by
     default DeepSeek-V3's method and values).
+    ``mtp``: the multi-token-prediction loss weight and its schedule (``MTPSection``,
+    ``models/deepseek_v3/mtp.py``), for a model with ``num_nextn_predict_layers`` > 0.
     """
 
     preset: Literal["dsv3_16b", "dsv3_tiny"] | None = None
@@ -78,6 +81,7 @@ class DeepseekV3ModelSection:
     overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     validate_16b: bool | None = None
     load_balance: LoadBalanceSection = field(default_factory=LoadBalanceSection)
+    mtp: MTPSection = field(default_factory=MTPSection)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.hf_config is None):
@@ -101,7 +105,10 @@ class DeepseekV3ModelSection:
         if validate and self.preset == "dsv3_tiny":
             raise te_npu.ConfigError("model.validate_16b: true cannot hold for preset 'dsv3_tiny' (not the 16B spec)")
         object.__setattr__(self, "validate_16b", validate)  # the resolved flag (frozen dataclass)
-        self.model_config()  # the preset / config.json + overrides must be a model this code implements
+        config = self.model_config()  # the preset / config.json + overrides must be a model this code implements
+        if self.mtp != MTPSection() and not config.num_nextn_predict_layers:
+            raise te_npu.ConfigError("model.mtp: set, but the model has num_nextn_predict_layers = 0 (no MTP layer "
+                                     "to weigh); set model.overrides.num_nextn_predict_layers or drop model.mtp")
 
     def notes(self) -> tuple[str, ...]:
         """Lines the run prints once (rank 0) about this section: DeepSeek's balance fields of an HF

@@ -21,6 +21,7 @@ from models.deepseek_v3.flops import flops_per_token
 from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter
 from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, TopKRouter, initial_value, low_precision_scope
 from models.deepseek_v3.model_section import DeepseekV3ModelSection
+from models.deepseek_v3.mtp import MTPSection, mtp_cross_entropy, mtp_loss_name
 from te_npu.training.config import TrainConfig, load_config
 from te_npu.training.job import StopRequest, run_job
 from te_npu.training.metrics.throughput import ModelFlops
@@ -44,14 +45,24 @@ class DeepseekV3Task:
     """``TrainTask`` for ``DeepseekV3ForCausalLM``, trained as DeepSeek-V3 was: the loss is the
     next-token cross-entropy plus the routers' sequence-wise balance loss, and once per step the
     router biases move by the auxiliary-loss-free rule (``model.load_balance``;
-    ``models/deepseek_v3/load_balance.py``)."""
+    ``models/deepseek_v3/load_balance.py``). With MTP layers (``num_nextn_predict_layers`` = D)
+    the loss adds ``lambda / D * sum(mtp_k)`` (``model.mtp``; ``models/deepseek_v3/mtp.py``).
+
+    The MTP weight's schedule needs the step: the task counts the steps that ended
+    (``step_end``, ``steps_done``). It starts at 0 when built, also in a resumed run (``build``
+    cannot know the resumed step): a run resumed at or after ``model.mtp.change_step`` weighs its
+    first step with the factor before the change (docs/pretraining.md, "Multi-token prediction").
+    """
 
     model_section = DeepseekV3ModelSection
 
     def __init__(self) -> None:
         self._balancer: ExpertLoadBalancer | None = None
+        self.mtp = MTPSection()
+        self.steps_done = 0
 
     def build(self, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+        self.mtp = model_section_of(cfg).mtp
         balance = model_section_of(cfg).load_balance
         model = DeepseekV3ForCausalLM(model_config(cfg), dtype=dtype)
         model.set_seq_aux_loss_coeff(balance.seq_aux_loss_coeff)
@@ -86,17 +97,25 @@ class DeepseekV3Task:
         return DeepseekV3HFAdapter(model_config(cfg))
 
     def loss(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> LossParts:
-        """Cross-entropy (``lm_loss``) plus, in a training forward, the balance loss (an extra)."""
+        """Cross-entropy (``lm_loss``) plus, in a training forward, the balance loss (an extra),
+        plus with MTP layers ``lambda / D * sum(mtp_k)``, each depth's loss an extra (``mtp_1_loss``, ...)."""
         # The data pipeline gives labels already shifted (labels[s] = next token of input_ids[s]),
         # so the loss is a plain token-wise cross-entropy, not the HF shift-by-one loss.
         out = model(input_ids)
         lm_loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-        if out.balance_loss is None:
-            return LossParts(lm_loss, lm_loss)
-        return LossParts(lm_loss + out.balance_loss, lm_loss, {"balance_loss": out.balance_loss})
+        total, extras = lm_loss, {}
+        if out.balance_loss is not None:
+            total, extras["balance_loss"] = total + out.balance_loss, out.balance_loss
+        if out.mtp_logits:
+            mtp = {mtp_loss_name(k): mtp_cross_entropy(logits, labels, k) for k, logits in enumerate(out.mtp_logits, 1)}
+            total = total + self.mtp.weight(self.steps_done + 1) / len(mtp) * sum(mtp.values())
+            extras.update(mtp)
+        return LossParts(total, lm_loss, extras)
 
     def step_end(self, model: nn.Module, ctx: StepEnd) -> StepReport:
-        """Once per optimizer step: sum the routers' counts over ranks, move the biases, report."""
+        """Once per optimizer step: sum the routers' counts over ranks, move the biases, report;
+        count the step for the MTP weight's schedule."""
+        self.steps_done = ctx.step
         return self._balancer.step_end(ctx)
 
 

@@ -6,6 +6,7 @@ import torch
 
 import te_npu
 from models.deepseek_v3 import DSV3_16B, DSV3_16B_NUM_PARAMS, DeepseekV3ForCausalLM, validate_16b
+from models.deepseek_v3.config import DSV3_16B_MTP_LAYER_PARAMS
 
 
 def _meta_model(config):
@@ -44,4 +45,21 @@ def test_deepseek_v3_16b_structural_mismatch_names_parameter():
     model = _meta_model(DSV3_16B)
     del model.model.layers[27]
     with pytest.raises(te_npu.ConfigError, match="27 decoder layers"):
+        validate_16b(model)
+
+
+def test_deepseek_v3_16b_with_one_mtp_layer_validates_with_its_parameter_count():
+    """D = 1: the spec plus one MTP layer, counted from the shapes here (not from the model):
+    a MoE decoder layer of the 16B plus eh_proj [D, 2D] and three norms [D]."""
+    D, E, F, Fs, N = 2048, 64, 1408, 2 * 1408, 16
+    attention = N * 128 * D + (3072 + 64) * D + 3072 + N * (64 + 128) * 3072 + D * N * 128
+    moe = E * D + E * 2 * F * D + E * D * F + 3 * Fs * D
+    mtp_layer = attention + moe + 2 * D + D * 2 * D + 3 * D
+    assert DSV3_16B_MTP_LAYER_PARAMS == mtp_layer
+    model = _meta_model(DSV3_16B.replace(num_nextn_predict_layers=1))
+    validate_16b(model)
+    assert sum(p.numel() for p in model.parameters()) == DSV3_16B_NUM_PARAMS + mtp_layer
+    assert model.model.layers[28].mlp.gate.weight.dtype == torch.float32  # the MTP router stays FP32 too
+    del model.model.layers[28].eh_proj
+    with pytest.raises(te_npu.ConfigError, match=r"model\.layers\.28\.eh_proj\.weight"):
         validate_16b(model)
