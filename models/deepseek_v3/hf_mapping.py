@@ -45,8 +45,9 @@ HF_KEY_MAP = HFKeyMap(
 )
 """Our FQN -> HF keys. Every other tensor's HF key is its own FQN."""
 
-# Fields that do not change the weights' meaning: a checkpoint may differ from the model here
-# (num_nextn_predict_layers: the MTP layers are not built, so the main model is the same).
+# Fields that do not change the weights' meaning: a checkpoint may differ from the model here.
+# num_nextn_predict_layers: the main model is the same; the MTP tensors themselves decide (a
+# model with MTP layers needs them, one without leaves them out, naming them).
 _NON_ARCHITECTURE_FIELDS = frozenset({"initializer_range", "max_position_embeddings", "bos_token_id", "eos_token_id",
                                       "num_nextn_predict_layers"})
 _PER_EXPERT_KEY = re.compile(
@@ -54,7 +55,13 @@ _PER_EXPERT_KEY = re.compile(
 
 
 class DeepseekV3HFAdapter:
-    """te_npu's HF adapter (``te_npu.training.hf.weights.HFAdapter``) for one model config."""
+    """te_npu's HF adapter (``te_npu.training.hf.weights.HFAdapter``) for one model config.
+
+    ``check_config`` also learns how many MTP layers the checkpoint's config.json declares, so
+    that a model built without them leaves those tensors out (``mtp_key_map``); an export
+    writes the model's own ``num_nextn_predict_layers`` (``export_fields``): its tensors."""
+
+    export_fields = frozenset({"num_nextn_predict_layers"})
 
     def __init__(self, config: DeepseekV3Config) -> None:
         self.config = config
@@ -73,21 +80,34 @@ class DeepseekV3HFAdapter:
                  if f.name not in _NON_ARCHITECTURE_FIELDS and getattr(theirs, f.name) != getattr(self.config, f.name)]
         if diffs:
             raise te_npu.ConfigError("config.json does not describe the model being trained: " + "; ".join(diffs))
+        self.key_map = mtp_key_map(self.config, checkpoint_mtp_layers=theirs.num_nextn_predict_layers)
 
 
-def mtp_key_map(config: DeepseekV3Config) -> HFKeyMap:
-    """``HF_KEY_MAP`` that leaves out the MTP layers ``model.layers.{num_hidden_layers + i}.*``
-    (``i < num_nextn_predict_layers``, as DeepSeek-V3's checkpoints number them): not built here,
-    so not read (transformers' ``DeepseekV3ForCausalLM`` does not load them either)."""
+def mtp_key_map(config: DeepseekV3Config, checkpoint_mtp_layers: int = 0) -> HFKeyMap:
+    """``HF_KEY_MAP`` for a model with ``num_nextn_predict_layers`` = D MTP layers.
+
+    D > 0: layer ``num_hidden_layers + k``'s ``embed_tokens`` / ``shared_head.head`` (DeepSeek's
+    copies of the shared embedding and head) are ``copies``: not read (the shared tensors are),
+    written back by an export. D = 0 and a checkpoint declaring ``checkpoint_mtp_layers`` MTP
+    layers: those layers ``model.layers.{num_hidden_layers + i}.*`` are left out, said in one line."""
     n, mtp = config.num_hidden_layers, config.num_nextn_predict_layers
-    if not mtp:
+    if mtp:
+        copies = tuple(pair for k in range(n, n + mtp) for pair in (
+            (f"model.layers.{k}.embed_tokens.weight", "model.embed_tokens.weight"),
+            (f"model.layers.{k}.shared_head.head.weight", "lm_head.weight")))
+        return dataclasses.replace(
+            HF_KEY_MAP, copies=copies,
+            copies_reason=f"num_nextn_predict_layers={mtp}: the MTP layers' embed_tokens / shared_head.head are "
+                          "DeepSeek's copies of model.embed_tokens / lm_head; the shared tensors are read, the copies "
+                          "are not (an export writes them from the shared ones)")
+    if not checkpoint_mtp_layers:
         return HF_KEY_MAP
-    layers = "|".join(str(n + i) for i in range(mtp))
-    first = f"model.layers.{n}.*" if mtp == 1 else f"model.layers.{n}..{n + mtp - 1}.*"
+    layers = "|".join(str(n + i) for i in range(checkpoint_mtp_layers))
+    first = f"model.layers.{n}.*" if checkpoint_mtp_layers == 1 else f"model.layers.{n}..{n + checkpoint_mtp_layers - 1}.*"
     return dataclasses.replace(
         HF_KEY_MAP, left_out=(rf"^model\.layers\.({layers})\.",),
-        left_out_reason=f"num_nextn_predict_layers={mtp}: the MTP layer tensors ({first}) are not read, "
-                        "MTP is not trained (the main model is)")
+        left_out_reason=f"num_nextn_predict_layers={checkpoint_mtp_layers} in the checkpoint, 0 in the model: the MTP "
+                        f"layer tensors ({first}) are not read, MTP is not trained (the main model is)")
 
 
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], *, per_expert: bool = False) -> dict[str, torch.Tensor]:
@@ -152,11 +172,12 @@ def load_hf_checkpoint(model: nn.Module, directory: str | os.PathLike) -> None:
     layout) into a materialized, unsharded ``model``; its ``config.json`` must match the model."""
     where = f"load_hf_checkpoint({os.fspath(directory)!r})"
     checkpoint = open_hf_checkpoint(directory, where=where)
+    adapter = DeepseekV3HFAdapter(model.config)
     try:
-        DeepseekV3HFAdapter(model.config).check_config(checkpoint.config)
+        adapter.check_config(checkpoint.config)
     except te_npu.ConfigError as exc:
         raise te_npu.ConfigError(f"{where}: {exc}") from None
-    load_hf_weights(checkpoint, model.state_dict(), mtp_key_map(model.config), where=where)
+    load_hf_weights(checkpoint, model.state_dict(), adapter.key_map, where=where)
 
 
 def save_hf_checkpoint(model: nn.Module, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
@@ -165,5 +186,6 @@ def save_hf_checkpoint(model: nn.Module, directory: str | os.PathLike, *, max_sh
     ``model.safetensors.index.json``) that HF ``DeepseekV3ForCausalLM.from_pretrained`` loads.
     dtype: on disk (default: the model's ``lm_head`` dtype); the router stays FP32."""
     dtype = dtype or model.lm_head.weight.dtype
-    save_hf_weights(directory, model.state_dict(), HF_KEY_MAP, DeepseekV3HFAdapter(model.config).config_json(dtype),
+    adapter = DeepseekV3HFAdapter(model.config)
+    save_hf_weights(directory, model.state_dict(), adapter.key_map, adapter.config_json(dtype),
                     dtype=dtype, max_shard_bytes=max_shard_bytes)

@@ -111,25 +111,54 @@ def test_hf_layout_16b_save_pretrained_keys_fit_the_16b_model():
         DeepseekV3HFAdapter(DSV3_16B).check_config({**to_hf_config_dict(DSV3_16B), "kv_lora_rank": 512})
 
 
-def test_mtp_layers_are_left_out_and_named_in_one_line():
-    """DeepSeek-V3's MTP layer (``model.layers.{num_hidden_layers}.*`` for num_nextn_predict_layers=1)
-    is skipped instead of refused as unexpected; the note names it and says MTP is not trained."""
+def test_mtp_layers_of_the_checkpoint_are_left_out_by_a_model_without_them_in_one_line():
+    """A model with num_nextn_predict_layers = 0 reading a checkpoint whose config.json declares 1:
+    DeepSeek-V3's MTP layer (``model.layers.{num_hidden_layers}.*``) is skipped instead of refused
+    as unexpected; the note names it and says MTP is not trained. Without the declaration the
+    tensors are unexpected."""
     from models.deepseek_v3.config import DSV3_TINY
     from models.deepseek_v3.hf_mapping import mtp_key_map
     from te_npu.distributed.storage.hf_layout import left_out_note
 
-    config = DSV3_TINY.replace(num_hidden_layers=2, num_nextn_predict_layers=1)
-    key_map = mtp_key_map(config)
+    config = DSV3_TINY.replace(num_hidden_layers=2)
+    key_map = mtp_key_map(config, checkpoint_mtp_layers=1)
     mtp = {"model.layers.2.eh_proj.weight": (D, 2 * D), "model.layers.2.enorm.weight": (D,)}
     stored = _stored({**_per_expert(), **mtp, "model.layers.3.enorm.weight": (D,)})
     with pytest.raises(ConfigError, match=r"1 unexpected keys: \[model\.layers\.3\.enorm\.weight\]"):
-        plan_hf_read(SHAPES, stored, key_map, where="x")  # only the config's MTP layer is left out
+        plan_hf_read(SHAPES, stored, key_map, where="x")  # only the declared MTP layer is left out
     stored.pop("model.layers.3.enorm.weight")
     plan_hf_read(SHAPES, stored, key_map, where="x")
     note = left_out_note(stored, key_map, where="ckpt")
-    assert note == ("ckpt: num_nextn_predict_layers=1: the MTP layer tensors (model.layers.2.*) are not read, MTP is "
-                    "not trained (the main model is); left out 2 tensor(s): model.layers.2.* (2)")
+    assert note == ("ckpt: num_nextn_predict_layers=1 in the checkpoint, 0 in the model: the MTP layer tensors "
+                    "(model.layers.2.*) are not read, MTP is not trained (the main model is); left out 2 tensor(s): "
+                    "model.layers.2.* (2)")
     assert left_out_note(_stored(_per_expert()), key_map, where="ckpt").endswith("the checkpoint holds none of them")
-    assert left_out_note(stored, mtp_key_map(DSV3_TINY), where="ckpt") is None  # no MTP layers: nothing said
+    assert left_out_note(stored, mtp_key_map(config), where="ckpt") is None  # no MTP layers: nothing said
     with pytest.raises(ConfigError, match="2 unexpected keys"):
-        plan_hf_read(SHAPES, stored, mtp_key_map(config.replace(num_nextn_predict_layers=0)), where="x")
+        plan_hf_read(SHAPES, stored, mtp_key_map(config), where="x")
+
+
+def test_mtp_copies_of_embedding_and_head_are_written_back_and_read_as_the_shared_ones():
+    """A model with an MTP layer: DeepSeek's ``model.layers.{n}.embed_tokens`` / ``shared_head.head``
+    are copies; an export writes the shared tensors under them too (right after the source), a
+    read takes the shared ones and says so in one line; a checkpoint without them still fits."""
+    from models.deepseek_v3.config import DSV3_TINY
+    from models.deepseek_v3.hf_mapping import mtp_key_map
+    from te_npu.distributed.storage.hf_layout import left_out_note
+
+    key_map = mtp_key_map(DSV3_TINY.replace(num_hidden_layers=2, num_nextn_predict_layers=1))
+    shapes = {"model.embed_tokens.weight": (32, D), "model.layers.2.enorm.weight": (D,), "lm_head.weight": (32, D)}
+    entries = plan_hf_write(shapes, key_map, dtype=torch.bfloat16, max_shard_bytes=2**30)
+    assert [(e.key, e.fqn) for e in entries] == [
+        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("model.layers.2.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("model.layers.2.enorm.weight", "model.layers.2.enorm.weight"),
+        ("lm_head.weight", "lm_head.weight"), ("model.layers.2.shared_head.head.weight", "lm_head.weight")]
+    stored = _stored({e.key: e.shape for e in entries})
+    assert all(p is None for p in plan_hf_read(shapes, stored, key_map, where="x").values())
+    note = left_out_note(stored, key_map, where="ckpt")
+    assert note.startswith("ckpt: num_nextn_predict_layers=1: the MTP layers' embed_tokens / shared_head.head are "
+                           "DeepSeek's copies") and note.endswith("(2 stored)") and "left out" not in note
+    without = {k: v for k, v in stored.items() if "layers.2.embed" not in k and "shared_head.head" not in k}
+    plan_hf_read(shapes, without, key_map, where="x")
+    assert left_out_note(without, key_map, where="ckpt") is None

@@ -120,7 +120,7 @@ def test_hf_config_dict_writes_every_field_of_transformers_deepseek_v3_config():
     assert from_hf_config(ours) == DSV3_TINY
 
 
-def test_config_carries_mtp_layers_without_building_them():
+def test_config_reads_mtp_layers_under_both_hf_names():
     """transformers' default (and DeepSeek-V3's release value) num_nextn_predict_layers=1 loads."""
     config = from_hf_config(to_hf_config_dict(DSV3_TINY), overrides={"num_mtp_layers": 2})
     assert config.num_nextn_predict_layers == 2 and to_hf_config_dict(config)["num_nextn_predict_layers"] == 2

@@ -185,3 +185,55 @@ def test_mtp_section_on_a_model_without_mtp_is_refused_and_defaults_hold():
                                                      "mtp": {"loss_scaling_factor_after": 0.1, "change_step": 5}},
                             "model")
     assert [section.mtp.weight(s) for s in (1, 5, 6)] == [0.3, 0.3, 0.1]
+
+
+def test_deepseek_layout_checkpoint_with_mtp_keys_loads_and_its_mtp_logits_equal_the_reference(gen, tmp_path):
+    """transformers' save_pretrained of the twin (per-expert keys, the MTP blocks as layers 2, 3),
+    plus the MTP-only tensors and the embed_tokens / shared_head.head copies, config.json saying
+    num_hidden_layers 2 and num_nextn_predict_layers 2: DeepSeek-V3's release layout. Ours loads
+    it; its MTP logits equal the reference's; an export writes the same keys back and re-loads bitwise."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from models.deepseek_v3 import load_hf_checkpoint, save_hf_checkpoint
+
+    config, ours, hf, p = _models(gen)
+    hf.save_pretrained(tmp_path / "release")
+    tensors = load_file(tmp_path / "release" / "model.safetensors")
+    for k in range(N_MAIN, N_MAIN + DEPTHS):
+        tensors[f"model.layers.{k}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"model.layers.{k}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors.update({k: v.detach().clone() for k, v in p.items()})
+    save_file(tensors, tmp_path / "release" / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "release" / "config.json").read_text())
+    raw.update(num_hidden_layers=N_MAIN, num_nextn_predict_layers=DEPTHS)
+    (tmp_path / "release" / "config.json").write_text(json.dumps(raw))
+
+    loaded = DeepseekV3ForCausalLM(config, seed=7)
+    load_hf_checkpoint(loaded, tmp_path / "release")
+    ids = torch.randint(0, config.vocab_size, (2, S), generator=gen)
+    with torch.no_grad():
+        ref = _reference_logits(hf, p, ids, config.rms_norm_eps)
+        for got, want in zip(loaded(ids).mtp_logits, ref):
+            assert (got - want).abs().max().item() <= 1e-5
+
+    save_hf_checkpoint(loaded, tmp_path / "export")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert set(exported) == set(tensors)  # DeepSeek's layout, copies included
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["num_nextn_predict_layers"] == DEPTHS
+    again = DeepseekV3ForCausalLM(config, seed=8)
+    load_hf_checkpoint(again, tmp_path / "export")
+    for (name, a), b in zip(loaded.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_mtp_model_refuses_a_checkpoint_without_mtp_tensors_naming_them(gen, tmp_path):
+    """transformers' own save_pretrained has no MTP tensors although its config says 1: a model
+    with an MTP layer refuses it, listing what is missing (no silent random MTP layer)."""
+    from models.deepseek_v3 import load_hf_checkpoint
+
+    config = DSV3_TINY.replace(num_hidden_layers=N_MAIN)
+    hf_model_for(config, seed=0).save_pretrained(tmp_path)
+    with pytest.raises(te_npu.ConfigError, match=r"missing keys: \[model\.layers\.2\.self_attn"):
+        load_hf_checkpoint(DeepseekV3ForCausalLM(config.replace(num_nextn_predict_layers=1)), tmp_path)

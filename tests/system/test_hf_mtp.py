@@ -1,8 +1,10 @@
-"""Hugging Face configs that ask for MTP layers (issue 28): transformers' ``DeepseekV3Config``
-defaults ``num_nextn_predict_layers`` to 1, as DeepSeek-V3's own config.json has it. Such a
-checkpoint loads the main model and trains; one line says which MTP tensors were left out and
-that MTP is not trained; ``model.overrides`` of the field hold everywhere; an export writes the
-field as its source had it. Single process (the 2-rank HF paths: test_hf_in_out.py)."""
+"""Hugging Face configs that ask for MTP layers (issues 28, 37): transformers' ``DeepseekV3Config``
+defaults ``num_nextn_predict_layers`` to 1, as DeepSeek-V3's own config.json has it, but its
+``save_pretrained`` writes no MTP tensors. A run whose model has the MTP layer refuses such a
+checkpoint, naming the missing tensors; with ``model.overrides.num_nextn_predict_layers=0`` it
+loads the main model and trains, one line saying which MTP tensors were left out and that MTP
+is not trained; an export writes the model's own field (0: it holds no MTP tensors). Single
+process (the 2-rank HF paths: test_hf_in_out.py; MTP tensors loaded: tests/model/test_deepseek_v3_mtp.py)."""
 from __future__ import annotations
 
 import json
@@ -79,10 +81,26 @@ def _notes(lines):
     return [line for line in lines if "num_nextn_predict_layers" in line]
 
 
-def test_transformers_config_with_default_mtp_loads_and_trains(transformers_dir, tmp_path, st_data_dir):
+def test_transformers_config_with_default_mtp_is_refused_by_a_model_with_the_mtp_layer(transformers_dir, tmp_path,
+                                                                                     st_data_dir):
     hf_dir, layers = transformers_dir
     cfg = _cfg(tmp_path, st_data_dir, hf_dir)
     assert model_config(cfg).num_nextn_predict_layers == 1
+    trainer, _ = H._trainer(cfg, [])
+    try:
+        with pytest.raises(ConfigError, match=rf"missing keys: \[model\.layers\.{layers}\.self_attn"):
+            trainer.setup(cfg)
+    finally:
+        trainer.close()
+
+
+def test_mtp_override_zero_loads_the_main_model_and_says_what_is_left_out(transformers_dir, tmp_path, st_data_dir):
+    """``model.overrides.num_nextn_predict_layers=0``: the model has no MTP layers, the checkpoint's
+    config.json (which says 1) is not held against it, one line says MTP is not trained; the
+    export says 0 (its tensors)."""
+    hf_dir, layers = transformers_dir
+    cfg = _cfg(tmp_path, st_data_dir, hf_dir, "model.overrides.num_nextn_predict_layers=0")
+    assert model_config(cfg).num_nextn_predict_layers == 0
     lines, losses = _train(cfg)
     assert all(math.isfinite(v) for v in losses), losses
     notes = _notes(lines)
@@ -90,37 +108,14 @@ def test_transformers_config_with_default_mtp_loads_and_trains(transformers_dir,
     assert f"model.layers.{layers}.*" in notes[0] and "MTP is not trained" in notes[0]
     assert "the checkpoint holds none of them" in notes[0]
     export = json.loads((tmp_path / "ckpt" / "hf" / f"step_{STEPS}" / "config.json").read_text())
-    assert export["num_nextn_predict_layers"] == 1  # as the source had it
+    assert export["num_nextn_predict_layers"] == 0
 
 
 @pytest.mark.slow  # the note's wording and the key plan: tests/distributed/test_hf_layout.py (fast)
 def test_mtp_tensors_of_a_release_are_left_out_and_named(transformers_dir, tmp_path, st_data_dir):
     hf_dir, layers = transformers_dir
     with_mtp = _copy_with_mtp_tensors(hf_dir, tmp_path / "with_mtp", layers)
-    lines, losses = _train(_cfg(tmp_path / "run", st_data_dir, with_mtp))
+    lines, losses = _train(_cfg(tmp_path / "run", st_data_dir, with_mtp, "model.overrides.num_nextn_predict_layers=0"))
     assert all(math.isfinite(v) for v in losses), losses
     [note] = _notes(lines)
     assert f"left out 4 tensor(s): model.layers.{layers}.* (4)" in note and "MTP is not trained" in note, note
-
-
-def test_mtp_override_is_honoured_everywhere(transformers_dir, tmp_path, st_data_dir):
-    """``model.overrides.num_nextn_predict_layers=0``: the model has no MTP layers, the checkpoint's
-    config.json (which says 1) is not held against it, nothing is said about MTP; the export keeps
-    the source's value. A checkpoint that holds MTP tensors then does not fit, naming them."""
-    hf_dir, layers = transformers_dir
-    cfg = _cfg(tmp_path, st_data_dir, hf_dir, "model.overrides.num_nextn_predict_layers=0")
-    assert model_config(cfg).num_nextn_predict_layers == 0
-    lines, losses = _train(cfg)
-    assert all(math.isfinite(v) for v in losses) and _notes(lines) == [], lines
-    export = json.loads((tmp_path / "ckpt" / "hf" / f"step_{STEPS}" / "config.json").read_text())
-    assert export["num_nextn_predict_layers"] == 1
-    with_mtp = _copy_with_mtp_tensors(hf_dir, tmp_path / "with_mtp", layers)
-    cfg = _cfg(tmp_path / "refused", st_data_dir, with_mtp, "model.overrides.num_nextn_predict_layers=0")
-    trainer, _ = H._trainer(cfg, [])
-    try:
-        with pytest.raises(ConfigError, match=rf"4 unexpected keys: \[model\.layers\.{layers}\.eh_proj\.weight"):
-            trainer.setup(cfg)
-        # refused after the folder was locked: the lock file and the folder it created are gone
-        assert not Path(cfg.checkpoint.dir).exists(), list(Path(cfg.checkpoint.dir).iterdir())
-    finally:
-        trainer.close()

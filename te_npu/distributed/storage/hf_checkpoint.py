@@ -377,8 +377,8 @@ def _write_shards(staging: str, sources: Mapping[str, torch.Tensor], entries, th
     state: dict[str, torch.Tensor] = {}
     for entry in entries:
         source = sources[entry.fqn].detach()
-        if entry.piece is None:
-            state[entry.key] = source.to(entry.dtype)
+        if entry.piece is None:  # a copy (another key than its FQN) gets its own storage, as safetensors needs
+            state[entry.key] = source.to(entry.dtype, copy=entry.key != entry.fqn)
             continue
         local, offsets = _local_region(source)
         view = _local_piece(local, offsets, tuple(source.shape), entry.piece, "HF export")

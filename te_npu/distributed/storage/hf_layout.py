@@ -90,15 +90,22 @@ class HFKeyMap:
     (DeepSeek-V3's MTP layers, ``model.layers.{num_hidden_layers + i}.*``); the reader skips them
     instead of refusing them as unexpected, and ``left_out_note`` says which. left_out_reason:
     why, in a few words (ends that note).
+
+    copies: ``(HF key, our FQN)`` pairs: HF tensors that repeat one of ours (DeepSeek-V3's MTP
+    layers carry copies of the shared embedding and output head). An export writes our tensor
+    again under each such key; the reader reads ours under its own key and not the copy (a
+    stored copy is not unexpected), and ``left_out_note`` says so with copies_reason.
     """
 
     stacked_experts: tuple[StackedExperts, ...] = ()
     keep_fp32: tuple[str, ...] = ()
     left_out: tuple[str, ...] = ()
     left_out_reason: str = ""
+    copies: tuple[tuple[str, str], ...] = ()
+    copies_reason: str = ""
 
     def is_left_out(self, key: str) -> bool:
-        return any(re.search(p, key) for p in self.left_out)
+        return any(re.search(p, key) for p in self.left_out) or any(key == k for k, _ in self.copies)
 
     def pieces(self, fqn: str, shape: Sequence[int]) -> list[HFPiece] | None:
         for rule in self.stacked_experts:
@@ -165,16 +172,18 @@ def plan_hf_read(
 def left_out_note(stored: Mapping[str, HFStoredTensor], key_map: HFKeyMap, *, where: str) -> str | None:
     """One line naming the stored keys ``key_map`` leaves out (grouped by their first three name
     parts, e.g. ``model.layers.61.*``) and why; None when the map leaves nothing out."""
+    copies = sorted(k for k, _ in key_map.copies if k in stored)
+    copy_note = f"{key_map.copies_reason} ({len(copies)} stored)" if copies else None
     if not key_map.left_out:
-        return None
-    keys = sorted(k for k in stored if key_map.is_left_out(k))
+        return None if copy_note is None else f"{where}: {copy_note}"
+    keys = sorted(k for k in stored if any(re.search(p, k) for p in key_map.left_out))
     groups: dict[str, int] = {}
     for key in keys:
         prefix = ".".join(key.split(".")[:3]) + ".*"
         groups[prefix] = groups.get(prefix, 0) + 1
     what = (f"left out {len(keys)} tensor(s): " + ", ".join(f"{g} ({n})" for g, n in groups.items())
             if keys else "the checkpoint holds none of them")
-    return f"{where}: {key_map.left_out_reason}; {what}"
+    return f"{where}: {key_map.left_out_reason}; {what}" + ("" if copy_note is None else f"; {copy_note}")
 
 
 @dataclass(frozen=True)
@@ -207,7 +216,8 @@ def plan_hf_write(
         shape = tuple(shape)
         out_dtype = key_map.export_dtype(fqn, dtype)
         pieces = key_map.pieces(fqn, shape) if per_expert else None
-        for key, piece_shape, piece in ([(p.key, p.shape, p) for p in pieces] if pieces else [(fqn, shape, None)]):
+        whole = [(fqn, shape, None), *((k, shape, None) for k, src in key_map.copies if src == fqn)]
+        for key, piece_shape, piece in ([(p.key, p.shape, p) for p in pieces] if pieces else whole):
             nbytes = _numel(piece_shape) * out_dtype.itemsize
             if file_bytes and file_bytes + nbytes > max_shard_bytes:
                 file_index, file_bytes = file_index + 1, 0

@@ -84,6 +84,10 @@ class HFAdapter(Protocol):
     def check_config(self, hf_config: Mapping[str, Any]) -> None:
         """Raise ``ConfigError`` naming each field where ``hf_config`` is not the model's."""
 
+    # Optional: ``export_fields: frozenset[str]``: config.json fields an export always takes from
+    # ``config_json`` even where the source's config.json says otherwise (fields that may differ
+    # from the source without changing the main model, but that describe the exported tensors).
+
 
 def hf_adapter_of(task: Any, cfg: Any, *, where: str) -> HFAdapter:
     """``task.hf_adapter(cfg)``; ``ConfigError`` naming ``where`` if the task has none."""
@@ -161,7 +165,7 @@ def export_config(adapter: HFAdapter, dtype: torch.dtype, source: str | None) ->
     except (OSError, ValueError):  # ConfigError is a ValueError: it describes another model now
         theirs = None
     if isinstance(theirs, dict):
-        config = {**config, **theirs}
+        config = {**config, **theirs, **{k: config[k] for k in getattr(adapter, "export_fields", ()) if k in config}}
         name = str(dtype).removeprefix("torch.")
         config["dtype"] = name
         if "torch_dtype" in config:
