@@ -238,7 +238,8 @@ def _rules(fmt: str, phase: str, result: dict, cfg, world: int, backend: str, st
         rules["gathers"] = R.check_gathers(result, fmt, micro, reshard, world)
     if phase == "main":
         rules["scope"] = R.check_scope(result, expected_low_precision_scope(model_config(cfg)))
-        rules["high_precision_pieces"] = R.check_high_precision_pieces(result, model_config(cfg).num_hidden_layers)
+        rules["high_precision_pieces"] = R.check_high_precision_pieces(result, model_config(cfg).num_hidden_layers,
+                                                                  model_config(cfg).num_nextn_predict_layers)
         if fmt == "hif8":
             rules["hif8_scales"] = R.check_hif8_activation_scales(result)
     return rules

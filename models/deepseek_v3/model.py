@@ -255,9 +255,12 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(cfg, dtype)
 
     def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor, cos_BSh: torch.Tensor,
-                sin_BSh: torch.Tensor) -> torch.Tensor:
+                sin_BSh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (``h_k`` for the next depth, ``shared_head.norm(h_k)`` for the head): both inside one
+        call, so an FSDP2 unit of this layer has its parameters gathered for every use."""
         x_BSD = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_BSD)], dim=-1))
-        return super().forward(x_BSD, cos_BSh, sin_BSh)
+        h_BSD = super().forward(x_BSD, cos_BSh, sin_BSh)
+        return h_BSD, self.shared_head.norm(h_BSD)
 
 
 class DeepseekV3Model(nn.Module):

@@ -77,8 +77,8 @@ def mtp_depths(layers: Sequence[nn.Module], embed_tokens: nn.Module, lm_head: nn
     logits = []
     for k, layer in enumerate(layers, start=1):
         emb_BSD = embed_tokens(shift_left(input_ids_BS, k, _FILL_TOKEN))
-        h_BSD = layer(h_BSD, emb_BSD, *rope)
-        logits.append(lm_head(layer.shared_head.norm(h_BSD)))
+        h_BSD, normed_BSD = layer(h_BSD, emb_BSD, *rope)
+        logits.append(lm_head(normed_BSD))
     return tuple(logits)
 
 

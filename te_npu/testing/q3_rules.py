@@ -208,9 +208,10 @@ def check_scope(result: dict, expected_scope: list[str]) -> list[str]:
     return p
 
 
-def check_high_precision_pieces(result: dict, num_layers: int) -> list[str]:
+def check_high_precision_pieces(result: dict, num_layers: int, mtp_layers: int = 0) -> list[str]:
     """DeepSeek-V3 (HF names): embedding, lm_head, final and per-layer norms, routers exist and stay
-    high precision."""
+    high precision; so do each MTP layer's (``model.layers.{num_layers + k}``) enorm, hnorm,
+    shared_head.norm and router."""
     p, probe = _Problems(), result["probe"]
     high = {n: unwrapped(t) for n, t in probe.module_types.items() if n not in probe.low_precision_modules}
     p.expect(high.get("model.embed_tokens") == "Embedding", "model.embed_tokens is not a high-precision Embedding")
@@ -218,8 +219,15 @@ def check_high_precision_pieces(result: dict, num_layers: int) -> list[str]:
     p.expect(high.get("model.norm") == "RMSNorm", "model.norm is not a high-precision RMSNorm")
     routers = [n for n, t in high.items() if t == "TopKRouter"]
     p.expect(routers and all(n.endswith(".mlp.gate") for n in routers), f"routers {routers[:3]} not high precision")
+    for layer in range(num_layers, num_layers + mtp_layers):
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            name = f"model.layers.{layer}.{norm}"
+            p.expect(high.get(name) == "RMSNorm", f"{name} (MTP) is not a high-precision RMSNorm")
+        p.expect(high.get(f"model.layers.{layer}.mlp.gate") == "TopKRouter",
+                 f"model.layers.{layer}.mlp.gate (MTP router) is not a high-precision TopKRouter")
     norms = [n for n, t in high.items() if t == "RMSNorm"]
-    p.expect(len(norms) >= 1 + 3 * num_layers, f"{len(norms)} high-precision RMSNorms, expected >= {1 + 3 * num_layers}")
+    want = 1 + 3 * num_layers + 6 * mtp_layers
+    p.expect(len(norms) >= want, f"{len(norms)} high-precision RMSNorms, expected >= {want}")
     return p
 
 
