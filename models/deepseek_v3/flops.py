@@ -13,9 +13,12 @@ Forward, per token:
     dense MLP         2 * 3 * D*F                          (gate, up, down)
     MoE MLP           2 * D*E (router) + 2 * 3 * D*M * (K + Z)   (routed top-K and shared)
     lm_head           2 * D*O
+    MTP, per depth    a MoE layer (MLA projections, core attention, MoE MLP) + eh_proj 2 * 2D*D,
+                      and the shared head again: 2 * D*O   (T = num_nextn_predict_layers depths)
 
 Training counts 3x the forward (``te_npu.training.metrics.throughput``); full activation recompute
-replays the decoder layers' forward (everything above but the lm_head) once more. Norms, RoPE,
+replays the decoder layers' forward (everything above but the heads; the MTP layers are
+recompute units too) once more. Norms, RoPE,
 softmax, SwiGLU and the routing's sort are elementwise or memory-bound and not counted.
 """
 from __future__ import annotations
@@ -28,7 +31,8 @@ __all__ = ["forward_flops_per_token", "flops_per_token"]
 
 def forward_flops_per_token(cfg: DeepseekV3Config, seq_len: int) -> dict[str, float]:
     """Forward FLOPs per token by component: ``attention_projections``, ``core_attention``,
-    ``dense_mlp``, ``moe_mlp`` (router, routed and shared experts), ``lm_head`` (module doc)."""
+    ``dense_mlp``, ``moe_mlp`` (router, routed and shared experts), ``lm_head``, ``mtp_layers``
+    (each MTP depth's block and ``eh_proj``), ``mtp_heads`` (the shared head once per depth)."""
     D, N, P, R, V, C = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                         cfg.v_head_dim, cfg.kv_lora_rank)
     q = D * N * (P + R) if cfg.q_lora_rank is None else D * cfg.q_lora_rank + cfg.q_lora_rank * N * (P + R)
@@ -46,6 +50,8 @@ def forward_flops_per_token(cfg: DeepseekV3Config, seq_len: int) -> dict[str, fl
         "dense_mlp": dense_layers * dense,
         "moe_mlp": moe_layers * moe,
         "lm_head": 2 * D * cfg.vocab_size,
+        "mtp_layers": cfg.num_nextn_predict_layers * (projections + core + moe + 2 * 2 * D * D),
+        "mtp_heads": cfg.num_nextn_predict_layers * 2 * D * cfg.vocab_size,
     }
 
 
@@ -53,4 +59,5 @@ def flops_per_token(cfg: DeepseekV3Config, seq_len: int, *, recompute: bool) -> 
     """``ModelFlops`` of one training token; ``recompute``: full activation recompute of the layers."""
     parts = forward_flops_per_token(cfg, seq_len)
     forward = sum(parts.values())
-    return ModelFlops(forward=forward, recompute=forward - parts["lm_head"] if recompute else 0.0)
+    heads = parts["lm_head"] + parts["mtp_heads"]
+    return ModelFlops(forward=forward, recompute=forward - heads if recompute else 0.0)

@@ -26,12 +26,22 @@ def test_flops_tiny_config_equals_hand_count():
     flops = flops_per_token(DSV3_TINY, 256, recompute=False)
     assert flops.forward == 1_908_224 and flops.training == 3 * 1_908_224 and flops.recompute == 0
     assert flops_per_token(DSV3_TINY, 256, recompute=True).recompute == 1_908_224 - 2 * 128 * 256
+    # one MTP depth: a MoE layer (projections, core, MoE MLP) + eh_proj 256 x 128, the head once more
+    mtp = forward_flops_per_token(DSV3_TINY.replace(num_nextn_predict_layers=1), 256)
+    assert mtp["mtp_layers"] == 2 * 81_920 + (2 * 2 * 128 * 128.5 + 2 * 2 * 64 * 128.5) + (
+        2 * 128 * 8 + 2 * 4 * 3 * 128 * 64) + 2 * 256 * 128
+    assert mtp["mtp_heads"] == 2 * 128 * 256
+    recompute = flops_per_token(DSV3_TINY.replace(num_nextn_predict_layers=1), 256, recompute=True).recompute
+    assert recompute == 1_908_224 - 2 * 128 * 256 + mtp["mtp_layers"]
 
 
-@pytest.mark.parametrize("cfg", [DSV3_TINY, DSV3_16B], ids=["tiny", "16b"])
+@pytest.mark.parametrize("cfg", [DSV3_TINY, DSV3_16B, DSV3_TINY.replace(num_nextn_predict_layers=2),
+                                 DSV3_16B.replace(num_nextn_predict_layers=1)],
+                         ids=["tiny", "16b", "tiny_mtp2", "16b_mtp1"])
 def test_flops_projections_match_the_models_parameter_shapes(cfg):
     """Every matmul weight of the model (meta build) contributes 2 * numel FLOPs per token,
-    routed experts K / E of theirs: the same total as the formula's projections and MLPs."""
+    routed experts K / E of theirs, the shared head once more per MTP depth: the same total as
+    the formula's projections, MLPs, heads and MTP layers."""
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg, dtype=torch.bfloat16)
     from_shapes = 0.0
@@ -39,10 +49,13 @@ def test_flops_projections_match_the_models_parameter_shapes(cfg):
         if p.dim() < 2 or "embed_tokens" in fqn:
             continue
         share = cfg.num_experts_per_tok / cfg.n_routed_experts if ".mlp.experts." in fqn else 1.0
-        from_shapes += 2 * p.numel() * share
+        uses = 1 + cfg.num_nextn_predict_layers if fqn == "lm_head.weight" else 1
+        from_shapes += 2 * p.numel() * share * uses
     parts = forward_flops_per_token(cfg, 4096)
+    mtp_core = cfg.num_nextn_predict_layers * parts["core_attention"] / cfg.num_hidden_layers
     assert from_shapes == pytest.approx(parts["attention_projections"] + parts["dense_mlp"] + parts["moe_mlp"]
-                                        + parts["lm_head"], rel=1e-12)
+                                        + parts["lm_head"] + parts["mtp_layers"] - mtp_core + parts["mtp_heads"],
+                                        rel=1e-12)
 
 
 def test_throughput_reports_tflops_per_device_and_mfu_against_the_peak():
