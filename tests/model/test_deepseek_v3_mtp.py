@@ -237,3 +237,21 @@ def test_mtp_model_refuses_a_checkpoint_without_mtp_tensors_naming_them(gen, tmp
     hf_model_for(config, seed=0).save_pretrained(tmp_path)
     with pytest.raises(te_npu.ConfigError, match=r"missing keys: \[model\.layers\.2\.self_attn"):
         load_hf_checkpoint(DeepseekV3ForCausalLM(config.replace(num_nextn_predict_layers=1)), tmp_path)
+
+
+def test_mtp_layer_under_full_recompute_gives_the_same_gradients(gen):
+    """The MTP layer is a recompute unit (a ``DecoderLayer``): wrapped, its tuple output and the
+    gradients of every parameter are those of the plain model, bit for bit."""
+    from models.deepseek_v3.model import DecoderLayer
+    from te_npu.training.recompute import apply_activation_checkpointing
+
+    config = DSV3_TINY.replace(num_hidden_layers=N_MAIN, num_nextn_predict_layers=1)
+    plain, wrapped = DeepseekV3ForCausalLM(config, seed=3), DeepseekV3ForCausalLM(config, seed=3)
+    assert "model.layers.2" in apply_activation_checkpointing(wrapped, (DecoderLayer,))
+    ids = torch.randint(0, config.vocab_size, (2, S), generator=gen)
+    for model in (plain, wrapped):
+        out = model(ids, labels=ids)
+        (out.loss + out.mtp_losses[0]).backward()
+    grads = dict(wrapped.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.grad, grads[name].grad), name

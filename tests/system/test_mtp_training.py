@@ -83,6 +83,7 @@ def test_mtp_layer_is_8bit_where_the_main_layers_are_and_high_precision_elsewher
         assert not R.check_scope(rank, expected_low_precision_scope(config))
         assert not R.check_high_precision_pieces(rank, config.num_hidden_layers, config.num_nextn_predict_layers)
         assert "model.layers.2.eh_proj.weight" in rank["weights"]  # an 8-bit, FSDP-sharded weight
+        assert not R.check_gathers(rank, "mxfp8", micro_steps=1, reshard=True, world=H.WORLD)  # gathered in 8 bits
         for step in range(STEPS):  # one refresh per 8-bit weight per step, the MTP layer's included
             assert rank["probe"].refresh_counts(step) == dict.fromkeys(rank["weights"], 1)
 
