@@ -72,8 +72,9 @@ def shift_left(x_BS: torch.Tensor, k: int, fill: int) -> torch.Tensor:
 
 def mtp_depths(layers: Sequence[nn.Module], embed_tokens: nn.Module, lm_head: nn.Module, input_ids_BS: torch.Tensor,
                h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Logits ``[B, S, O]`` of each MTP depth, in order. ``h_BSD``: the main model's normed output;
-    ``rope``: the main layers' (cos, sin) (the MTP blocks see the same positions)."""
+    """Logits ``[B, S, O]`` of each MTP depth, in order. ``layers``: ``model.MTPLayer``s,
+    ``layer(h, emb, cos, sin) -> (h_k, shared_head.norm(h_k))``; ``h_BSD``: the main model's
+    normed output; ``rope``: the main layers' (cos, sin) (the MTP blocks see the same positions)."""
     logits = []
     for k, layer in enumerate(layers, start=1):
         emb_BSD = embed_tokens(shift_left(input_ids_BS, k, _FILL_TOKEN))
