@@ -48,10 +48,8 @@ class DeepseekV3Task:
     ``models/deepseek_v3/load_balance.py``). With MTP layers (``num_nextn_predict_layers`` = D)
     the loss adds ``lambda / D * sum(mtp_k)`` (``model.mtp``; ``models/deepseek_v3/mtp.py``).
 
-    The MTP weight's schedule needs the step: the task counts the steps that ended
-    (``step_end``, ``steps_done``). It starts at 0 when built, also in a resumed run (``build``
-    cannot know the resumed step): a run resumed at or after ``model.mtp.change_step`` weighs its
-    first step with the factor before the change (docs/pretraining.md, "Multi-token prediction").
+    The MTP weight's schedule needs the step: the Trainer names each step before its micro-batches
+    (``step_begin``), so a resumed run weighs its first step by the resumed step's factor.
     """
 
     model_section = DeepseekV3ModelSection
@@ -112,9 +110,12 @@ class DeepseekV3Task:
             extras.update(mtp)
         return LossParts(total, lm_loss, extras)
 
+    def step_begin(self, model: nn.Module, step: int) -> None:
+        """Before optimizer step ``step`` (1-based): the step the MTP weight's schedule reads."""
+        self.steps_done = step - 1
+
     def step_end(self, model: nn.Module, ctx: StepEnd) -> StepReport:
-        """Once per optimizer step: sum the routers' counts over ranks, move the biases, report;
-        count the step for the MTP weight's schedule."""
+        """Once per optimizer step: sum the routers' counts over ranks, move the biases, report."""
         self.steps_done = ctx.step
         return self._balancer.step_end(ctx)
 

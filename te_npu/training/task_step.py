@@ -1,6 +1,6 @@
 """What a ``TrainTask`` and the Trainer hand each other inside one optimizer step.
 
-Two seams, both optional for a task (a task whose ``loss`` returns a plain scalar and that
+Three seams, all optional for a task (a task whose ``loss`` returns a plain scalar and that
 defines no ``step_end`` trains exactly as before):
 
 - ``LossParts``: what ``TrainTask.loss`` may return for one micro-batch instead of a scalar:
@@ -18,6 +18,9 @@ defines no ``step_end`` trains exactly as before):
   backend's device; one call per step is the intended use. The report's ``metrics`` (name ->
   float) go to ``metrics.jsonl`` and TensorBoard, its ``summary`` to the end of the step line,
   its ``warnings`` to lines of their own (rank 0).
+- ``TrainTask.step_begin(model, step)``: called before each optimizer step's micro-batches with
+  the step's 1-based number (a resumed run's first step included), for a schedule the task's loss
+  follows (e.g. DeepSeek-V3's MTP loss weight).
 
 Units: losses are FP32 scalars (nats per token); metrics are plain floats.
 """

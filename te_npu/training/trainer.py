@@ -113,7 +113,9 @@ class TrainTask(Protocol):
         the language-model loss that ``lm loss`` and the divergence rules read, named extras;
         ``te_npu.training.task_step``). Also called under ``torch.no_grad()`` for validation."""
 
-    # Optional: ``step_end(model, StepEnd) -> StepReport | None`` is called once per optimizer
+    # Optional: ``step_begin(model, step)`` is called before each optimizer step's micro-batches
+    # with its 1-based number (also the first step of a resumed run: a schedule a task keeps
+    # by step starts right). ``step_end(model, StepEnd) -> StepReport | None`` is called once per optimizer
     # step, after its micro-batches and the optimizer step (skipped steps included; see
     # ``te_npu.training.task_step``): the place for state a task updates once a step (e.g. an MoE
     # router's expert bias) and for what it reports (metrics, a step-line summary, warnings).
@@ -474,6 +476,9 @@ class Trainer(TrainerStorage):
         if events.has_subscribers(events.StepBeginEvent):
             events.emit(events.StepBeginEvent(step))
         lr = self.set_lr(step)
+        begin = getattr(self.task, "step_begin", None)
+        if begin is not None:  # the task's once-per-step hook before the micro-batches
+            begin(self.model, step + 1)
         self._synchronize()
         start = time.perf_counter()
         with self._warm_up("step") as limit:  # each piece bounded by collective_timeout_s (warm-up: its own)

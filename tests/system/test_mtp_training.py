@@ -27,7 +27,10 @@ from tests.system import harness as H
 pytestmark = pytest.mark.slow  # ~1 min of two CPU ranks; the MTP numerics: tests/model/test_deepseek_v3_mtp.py
 STEPS, SAVE_AT = 10, 7
 MTP_OVERRIDES = ("model.overrides={num_hidden_layers: 2, n_shared_experts: 2, num_nextn_predict_layers: 1}",
-                 "training.param_dtype=fp32", "training.warmup_steps=2", "checkpoint.export_dtype=fp32")
+                 "training.param_dtype=fp32", "training.warmup_steps=2", "checkpoint.export_dtype=fp32",
+                 # lambda changes before the save: the resumed steps must weigh MTP by the later factor
+                 # (the Trainer's step_begin tells the task the resumed step)
+                 "model.mtp={loss_scaling_factor: 0.3, loss_scaling_factor_after: 0.1, change_step: 5}")
 
 
 def _cfg(workdir, data_dir, *extra):
