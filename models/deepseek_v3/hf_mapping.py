@@ -95,8 +95,12 @@ def mtp_key_map(config: DeepseekV3Config, checkpoint_mtp_layers: int = 0) -> HFK
         copies = tuple(pair for k in range(n, n + mtp) for pair in (
             (f"model.layers.{k}.embed_tokens.weight", "model.embed_tokens.weight"),
             (f"model.layers.{k}.shared_head.head.weight", "lm_head.weight")))
+        layers = "|".join(str(k) for k in range(n, n + mtp))
+        hint = (f"the model builds {mtp} MTP layer(s) (num_nextn_predict_layers={mtp}) the checkpoint does not hold: "
+                "model.overrides.num_nextn_predict_layers=0 trains without MTP (transformers' DeepseekV3ForCausalLM "
+                "writes no MTP tensors although its config.json says 1)")
         return dataclasses.replace(
-            HF_KEY_MAP, copies=copies,
+            HF_KEY_MAP, copies=copies, missing_hints=((rf"^model\.layers\.({layers})\.", hint),),
             copies_reason=f"num_nextn_predict_layers={mtp}: the MTP layers' embed_tokens / shared_head.head are "
                           "DeepSeek's copies of model.embed_tokens / lm_head; the shared tensors are read, the copies "
                           "are not (an export writes them from the shared ones)")

@@ -88,8 +88,12 @@ def test_transformers_config_with_default_mtp_is_refused_by_a_model_with_the_mtp
     assert model_config(cfg).num_nextn_predict_layers == 1
     trainer, _ = H._trainer(cfg, [])
     try:
-        with pytest.raises(ConfigError, match=rf"missing keys: \[model\.layers\.{layers}\.self_attn"):
+        with pytest.raises(ConfigError, match=rf"missing keys: \[model\.layers\.{layers}\.self_attn") as refused:
             trainer.setup(cfg)
+        assert str(refused.value).endswith("model.overrides.num_nextn_predict_layers=0 trains without MTP "
+                                           "(transformers' DeepseekV3ForCausalLM writes no MTP tensors although its "
+                                           "config.json says 1)")
+        assert "\n" not in str(refused.value)
     finally:
         trainer.close()
 

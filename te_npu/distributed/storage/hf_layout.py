@@ -95,6 +95,9 @@ class HFKeyMap:
     layers carry copies of the shared embedding and output head). An export writes our tensor
     again under each such key; the reader reads ours under its own key and not the copy (a
     stored copy is not unexpected), and ``left_out_note`` says so with copies_reason.
+
+    missing_hints: ``(regex, hint)`` pairs: when a key the model needs is missing and matches the
+    regex (``re.search``), the refusal ends with the hint (what setting would fit the checkpoint).
     """
 
     stacked_experts: tuple[StackedExperts, ...] = ()
@@ -103,6 +106,7 @@ class HFKeyMap:
     left_out_reason: str = ""
     copies: tuple[tuple[str, str], ...] = ()
     copies_reason: str = ""
+    missing_hints: tuple[tuple[str, str], ...] = ()
 
     def is_left_out(self, key: str) -> bool:
         return any(re.search(p, key) for p in self.left_out) or any(key == k for k, _ in self.copies)
@@ -164,6 +168,9 @@ def plan_hf_read(
         (wrong_dtype, f"keys in a dtype the reader does not take (only {[str(d) for d in HF_READABLE_DTYPES]})"),
     ]
     message = "; ".join(f"{len(keys)} {what}: {_listing(keys)}" for keys, what in problems if keys)
+    hints = [hint for pattern, hint in key_map.missing_hints if any(re.search(pattern, k) for k in missing)]
+    if message and hints:
+        message += "; " + "; ".join(hints)
     if message:
         raise ConfigError(f"{where}: the checkpoint does not match the model: {message}")
     return plan
