@@ -169,7 +169,7 @@ def test_config_is_frozen():
 def test_config_recipe_loads_and_round_trips(path):
     cfg = load(path)
     assert load(cfg.to_dict()) == cfg
-    expected = {"bf16": None, "mxfp8": MXFP8BlockRecipe(), "hif8": HiF8CurrentScalingRecipe()}[path.stem.split("_")[-1]]
+    expected = {"bf16": None, "mxfp8": MXFP8BlockRecipe(), "hif8": HiF8CurrentScalingRecipe()}[path.stem.split("_")[2]]
     assert cfg.low_precision.recipe == expected
     assert cfg.checkpoint.format == "dcp" and not cfg.fsdp_config.comm_fusion
 
@@ -183,7 +183,8 @@ def test_config_low_precision_scale_alg_chooses_the_mxfp8_scale_rule(rule):
 
 
 def test_config_recipes_count_and_variants_differ_only_in_low_precision():
-    assert [p.stem for p in RECIPES] == [f"dsv3_{s}_{v}" for s in ("16b", "tiny") for v in ("bf16", "hif8", "mxfp8")]
+    assert [p.stem for p in RECIPES if p.stem.count("_") == 2] == [
+        f"dsv3_{s}_{v}" for s in ("16b", "tiny") for v in ("bf16", "hif8", "mxfp8")]
     for size in ("16b", "tiny"):
         dicts = []
         for variant in ("bf16", "mxfp8", "hif8"):
@@ -291,3 +292,15 @@ def test_config_backend_map_covers_every_device():
     auto = {d: TrainingConfig(device=d).resolved_backend for d in BACKENDS_BY_DEVICE}
     assert auto == {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
     assert TrainingConfig(device="cuda", backend="gloo").resolved_backend == "gloo"
+
+
+def test_config_mtp_recipe_is_the_tiny_mxfp8_recipe_with_one_mtp_layer():
+    """``recipes/dsv3_tiny_mxfp8_mtp.yaml``: ``dsv3_tiny_mxfp8`` plus one MTP layer and its loss weight."""
+    base, mtp = (load(REPO / "recipes" / f"{name}.yaml").to_dict() for name in ("dsv3_tiny_mxfp8", "dsv3_tiny_mxfp8_mtp"))
+    assert mtp["model"].pop("overrides") == {"num_nextn_predict_layers": 1}
+    assert mtp["model"].pop("mtp") == {"loss_scaling_factor": 0.3, "loss_scaling_factor_after": 0.1, "change_step": 200}
+    base["model"].pop("overrides")
+    base["model"].pop("mtp")
+    for section in ("checkpoint", "logging"):
+        mtp[section]["dir"] = mtp[section]["dir"].replace("dsv3_tiny_mxfp8_mtp", "dsv3_tiny_mxfp8")
+    assert mtp == base
