@@ -18,10 +18,9 @@ from typing import Any, Literal
 
 import te_npu
 from models.deepseek_v3.config import DSV3_16B, DSV3_TINY, DeepseekV3Config, from_hf_config, to_hf_config_dict
-from models.deepseek_v3.mtp import MTPSection
 from te_npu.training.schema import option, show
 
-__all__ = ["DeepseekV3ModelSection", "LoadBalanceSection", "HF_DEEPSEEK_V3_FIELDS", "PRESETS"]
+__all__ = ["DeepseekV3ModelSection", "LoadBalanceSection", "MTPSection", "HF_DEEPSEEK_V3_FIELDS", "PRESETS"]
 
 PRESETS: Mapping[str, DeepseekV3Config] = MappingProxyType({"dsv3_16b": DSV3_16B, "dsv3_tiny": DSV3_TINY})
 """``model.preset`` name -> its ``DeepseekV3Config``."""
@@ -60,6 +59,32 @@ class LoadBalanceSection:
     bias_update_until_step: int | None = option(None, ge=0)
     seq_aux_loss_coeff: float = option(1e-4, ge=0.0)
     idle_expert_warn_steps: int = option(50, ge=1)
+
+
+@dataclass(frozen=True)
+class MTPSection:
+    """``model.mtp``: the MTP loss weight ``lambda`` and its one change.
+
+    ``loss_scaling_factor`` holds through step ``change_step`` (1-based optimizer steps);
+    from step ``change_step + 1`` on, ``loss_scaling_factor_after``. Both null: no change.
+    Read only when ``num_nextn_predict_layers`` > 0.
+    """
+
+    loss_scaling_factor: float = option(0.3, ge=0.0)
+    loss_scaling_factor_after: float | None = option(None, ge=0.0)
+    change_step: int | None = option(None, ge=0)
+
+    def __post_init__(self) -> None:
+        if (self.change_step is None) != (self.loss_scaling_factor_after is None):
+            set_one = "model.mtp.change_step" if self.change_step is not None else "model.mtp.loss_scaling_factor_after"
+            raise te_npu.ConfigError(f"{set_one}: set together with model.mtp.change_step / "
+                                     "model.mtp.loss_scaling_factor_after (both or neither)")
+
+    def weight(self, step: int) -> float:
+        """``lambda`` of 1-based optimizer step ``step``."""
+        if self.change_step is None or step <= self.change_step:
+            return self.loss_scaling_factor
+        return self.loss_scaling_factor_after
 
 
 @dataclass(frozen=True)

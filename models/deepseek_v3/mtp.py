@@ -11,7 +11,7 @@ norm (what the main head reads; Megatron-core's MTP block and vLLM's DeepSeek MT
 depth k > 1 reads depth k - 1's block output before its ``shared_head.norm`` (the report's
 ``h^{k-1}``, and vLLM's chaining). The embedding and output head are the main model's, shared.
 
-Loss: ``lm + lambda / D * sum_k mtp_k`` with ``lambda`` from ``MTPSection`` (the report: 0.3
+Loss: ``lm + lambda / D * sum_k mtp_k`` with ``lambda`` from ``model_section.MTPSection`` (the report: 0.3
 for the first 10T tokens, then 0.1); ``lm loss`` stays the main next-token loss alone.
 
 Shape legend: B batch, S sequence, D hidden, O vocabulary.
@@ -19,45 +19,15 @@ Shape legend: B batch, S sequence, D hidden, O vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import te_npu
-from te_npu.training.schema import option
-
-__all__ = ["MTPSection", "shift_left", "mtp_depths", "mtp_cross_entropy", "mtp_loss_name"]
+__all__ = ["shift_left", "mtp_depths", "mtp_cross_entropy", "mtp_loss_name"]
 
 _IGNORE_INDEX = -100
 _FILL_TOKEN = 0  # the input id of the last k positions of depth k (Megatron's roll_tensor zero-fills)
-
-
-@dataclass(frozen=True)
-class MTPSection:
-    """``model.mtp``: the MTP loss weight ``lambda`` and its one change.
-
-    ``loss_scaling_factor`` holds through step ``change_step`` (1-based optimizer steps);
-    from step ``change_step + 1`` on, ``loss_scaling_factor_after``. Both null: no change.
-    Read only when ``num_nextn_predict_layers`` > 0.
-    """
-
-    loss_scaling_factor: float = option(0.3, ge=0.0)
-    loss_scaling_factor_after: float | None = option(None, ge=0.0)
-    change_step: int | None = option(None, ge=0)
-
-    def __post_init__(self) -> None:
-        if (self.change_step is None) != (self.loss_scaling_factor_after is None):
-            set_one = "model.mtp.change_step" if self.change_step is not None else "model.mtp.loss_scaling_factor_after"
-            raise te_npu.ConfigError(f"{set_one}: set together with model.mtp.change_step / "
-                                     "model.mtp.loss_scaling_factor_after (both or neither)")
-
-    def weight(self, step: int) -> float:
-        """``lambda`` of 1-based optimizer step ``step``."""
-        if self.change_step is None or step <= self.change_step:
-            return self.loss_scaling_factor
-        return self.loss_scaling_factor_after
 
 
 def mtp_loss_name(depth: int) -> str:

@@ -20,8 +20,8 @@ from models.deepseek_v3.config import DeepseekV3Config, validate_16b
 from models.deepseek_v3.flops import flops_per_token
 from models.deepseek_v3.hf_mapping import DeepseekV3HFAdapter
 from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, TopKRouter, initial_value, low_precision_scope
-from models.deepseek_v3.model_section import DeepseekV3ModelSection
-from models.deepseek_v3.mtp import MTPSection, mtp_cross_entropy, mtp_loss_name
+from models.deepseek_v3.model_section import DeepseekV3ModelSection, MTPSection
+from models.deepseek_v3.mtp import mtp_cross_entropy, mtp_loss_name
 from te_npu.training.config import TrainConfig, load_config
 from te_npu.training.job import StopRequest, run_job
 from te_npu.training.metrics.throughput import ModelFlops

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import te_npu
 from models.deepseek_v3 import DSV3_TINY, DeepseekV3ForCausalLM, from_hf_state_dict
 from models.deepseek_v3.hf_mapping import load_state_dict_strict_
-from models.deepseek_v3.mtp import MTPSection, mtp_cross_entropy, shift_left
+from models.deepseek_v3.model_section import MTPSection
+from models.deepseek_v3.mtp import mtp_cross_entropy, shift_left
 from tests.model.conftest import hf_model_for
 
 pytest.importorskip("transformers", reason="the reference's transformer blocks are transformers'")
