@@ -20,6 +20,7 @@ group, SIGKILL after a grace period. Stdlib only.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -51,10 +52,8 @@ def end_owned(proc: subprocess.Popen, grace_s: float = 5.0) -> int:
     """Stop ``proc``'s process group: SIGTERM, then SIGKILL after ``grace_s``; its exit status."""
     if proc.poll() is None:
         _killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # then SIGKILL below
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
     _killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, even after its leader has gone
     code = proc.wait()
     release(proc)
@@ -78,11 +77,9 @@ def watch_owner() -> bool:
     fd = int(fd)
 
     def watch() -> None:
-        try:
-            while os.read(fd, 64):
-                pass
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            while os.read(fd, 64):  # the owner never writes: returns b"" (EOF) once it is gone
+                continue
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, name="te_npu-owner-watch", daemon=True).start()
@@ -111,7 +108,5 @@ def wait_group_gone(pgid: int, timeout_s: float) -> bool:
 
 
 def _killpg(pgid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group has gone already
         os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass

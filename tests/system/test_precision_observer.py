@@ -16,6 +16,7 @@ from te_npu import events
 from te_npu.numerics.constants import HIF8_MAX
 from te_npu.training.config import load_config
 from te_npu.training.trainer import Trainer
+from tests.recording_writer import RecordingWriter
 
 pytestmark = pytest.mark.slow  # a Trainer setup per test: ~1 min each on a shared 2-core machine
 
@@ -49,19 +50,6 @@ def _by_hand(operand, source) -> tuple[int, int, float, float]:
     return int(nonzero.sum()), int((nonzero & (q == 0)).sum()), float(((q - x) ** 2).sum()), float((x ** 2).sum())
 
 
-class _Writer:
-    def __init__(self):
-        self.scalars = {}
-
-    def add_scalar(self, tag, value, step):
-        self.scalars[(tag, step)] = value
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "hif8"])
 def test_tiny_run_writes_figures_equal_to_a_hand_computation(tmp_path, recipe):
@@ -69,7 +57,7 @@ def test_tiny_run_writes_figures_equal_to_a_hand_computation(tmp_path, recipe):
     trainer = Trainer(DeepseekV3Task(), print_fn=lines.append)
     trainer.setup(_config(tmp_path, recipe, "precision_observer.enabled=true", "precision_observer.freq=1",
                           "precision_observer.layers=[model.layers.1.mlp.experts.*, model.layers.0.self_attn.o_proj]"))
-    trainer.logger._tb = writer = _Writer()  # TensorBoard itself is not installed here
+    trainer.logger._tb = writer = RecordingWriter()  # TensorBoard itself is not installed here
     seen: dict[int, list] = {}
     on_operand = lambda e: e.module + "/activation." + str(e.gemm) == KEY and seen.setdefault(trainer.global_step + 1, []).append(_by_hand(e.operand, e.source))
     try:

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from te_npu.training.metrics.log import MetricsLogger, format_step_line, peak_memory_mb, read_metrics
+from tests.recording_writer import RecordingWriter
 
 STEP = dict(lm_loss=5.123, lr=3e-4, grad_norm=1.2345, elapsed_ms=812.46, global_batch_size=8,
             consumed_samples=40, tokens_per_s=2520.7, skipped_iterations=0, peak_mem_mb=1234.5)
@@ -124,26 +125,11 @@ def test_metrics_fresh_run_in_a_used_dir_starts_clean_and_names_the_old_file(tmp
                      f"metrics.2.jsonl in {run}"], moved
 
 
-class _RecordingWriter:
-    """Stands in for ``SummaryWriter`` (the tensorboard package is optional): records scalars."""
-
-    def __init__(self):
-        self.scalars = {}
-
-    def add_scalar(self, tag, value, step):
-        self.scalars[(tag, step)] = value
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
 
 def test_metrics_loss_parts_and_task_report_reach_line_record_and_tensorboard(tmp_path, monkeypatch):
     import te_npu.training.metrics.log as log_module
 
-    writer = _RecordingWriter()
+    writer = RecordingWriter()
     monkeypatch.setattr(log_module, "_open_tensorboard", lambda path, print_fn: writer)
     printed = []
     with MetricsLogger(tmp_path, train_steps=10, print_fn=printed.append, tensorboard=True) as log:
