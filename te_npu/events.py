@@ -97,7 +97,7 @@ class OperandEvent:
 
     module: the GEMM's name (the TE module's FQN; ``<fqn>.gate_up_proj`` / ``.down_proj`` for
     SwiGLU experts; ``linear(weight [N, K])`` for a nameless functional call); role: which
-    operand (``QuantizationRole``, spec 7.1); orientation: "row" / "col", or "both" when one
+    operand (``QuantizationRole``); orientation: "row" / "col", or "both" when one
     HiF8 copy serves both; shape: the source tensor's shape; format: ``Format`` value string;
     scale: the operand's scale, detached, in the backend's layout (HiF8: FP32 ``[]`` / ``[E]``;
     MXFP8: uint8 E8M0 codes); format_max: HiF8's target maximum, None for MXFP8.

@@ -34,7 +34,7 @@ class Format(str, Enum):
 
 
 class QuantizationRole(str, Enum):
-    """What a quantized operand is in the GEMM that consumes it (spec section 7.1)."""
+    """What a quantized operand is in the GEMM that consumes it."""
 
     INPUT_FWD = "input_fwd"
     WEIGHT_FWD = "weight_fwd"

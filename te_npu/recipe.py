@@ -1,7 +1,7 @@
 """Recipes: frozen descriptions of *how* to compute in 8 bits, and config -> recipe parsing.
 
 A recipe holds no tensors and reads no environment. It maps each ``QuantizationRole`` to
-an immutable quantizer (spec sections 7.1 and 13.3). Two recipes exist:
+an immutable quantizer. Two recipes exist:
 
 - ``MXFP8BlockRecipe``: E4M3 data, one E8M0 scale per 32 elements along the reduction dim.
 - ``HiF8CurrentScalingRecipe``: HiFloat8 data, FP32 scale = amax / format_max of the
@@ -307,7 +307,7 @@ def recipe_from_config(
     naming the key path (``path``) and the allowed values. ``enabled: false`` returns None
     without looking at the other fields' support (unless ``check_disabled``: the training
     config refuses an unsupported combination even when it is switched off) and without
-    touching torch_npu. The one statement of these rules (spec section 15).
+    touching torch_npu. The one statement of these rules (docs/numerics-and-limits.md, Limits).
     """
     if config is None:
         return None

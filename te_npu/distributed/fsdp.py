@@ -1,4 +1,4 @@
-"""FSDP2 all-gather extension for quantized weights (spec sections 9 and 13.5).
+"""FSDP2 all-gather extension for quantized weights (docs/fsdp2.md).
 
 FSDP2 calls two methods on the *local shard* of a parameter whose class defines them
 (torch ``_fully_shard/_fsdp_param.py``, checked against torch 2.13):
@@ -97,7 +97,7 @@ class GatherSchema(Protocol):
 
 
 class MXFP8GatherSchema:
-    """MXFP8 (spec section 9.1, our orientation names).
+    """MXFP8 (our orientation names; docs/fsdp2.md).
 
     =========  =======================  ===========  ===========
     phase      reshard_after_forward    dense        grouped
@@ -108,7 +108,7 @@ class MXFP8GatherSchema:
     =========  =======================  ===========  ===========
 
     Grouped forward reads the K-blocked copy, which this project calls ``row`` (weights are
-    ``[E, N, K]`` like dense ones); the spec's table calls that copy ``col`` because the NPU
+    ``[E, N, K]`` like dense ones); Ascend's naming calls that copy ``col`` because the NPU
     kernel views the weight as ``[E, K, N]``. Same bytes, different name.
     """
 
@@ -129,7 +129,7 @@ class MXFP8GatherSchema:
 
 
 class HiF8GatherSchema:
-    """HiF8 (spec section 9.2): data + scale in every phase, one copy serves row and col.
+    """HiF8: data + scale in every phase, one copy serves row and col.
 
     Dense ``[N, K]``: every rank holds the same scalar scale (the optimizer MAX-reduces the
     amax before refreshing), so the gather returns ``W`` copies; they must all be equal and

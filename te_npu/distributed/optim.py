@@ -1,4 +1,4 @@
-"""FP32 master weights, AdamW, and the refresh of 8-bit weight shards (spec sections 10, 12, 13.6).
+"""FP32 master weights, AdamW, and the refresh of 8-bit weight shards.
 
 Training state per parameter:
 
@@ -102,7 +102,7 @@ def refresh_low_precision_weights(
     group: dist.ProcessGroup | None = None,
     on_refresh: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
-    """Re-quantize each 8-bit weight shard in place from its FP32 master shard (spec 13.6).
+    """Re-quantize each 8-bit weight shard in place from its FP32 master shard.
 
     params: ``QuantizedWeightTensor`` parameters (or DTensors over them); master_params: the
     matching FP32 shards, same shapes. Each weight refreshes itself

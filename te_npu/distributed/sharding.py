@@ -1,4 +1,4 @@
-"""Sharding plan: validate shard constraints, then apply FSDP2 by units (spec sections 9.1-9.2, 12, 15).
+"""Sharding plan: validate shard constraints, then apply FSDP2 by units (docs/fsdp2.md).
 
 An FSDP2 *unit* is the modules one ``fully_shard`` call groups: their parameters are
 all-gathered together before the unit runs and their gradients reduce-scattered together

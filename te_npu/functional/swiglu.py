@@ -4,7 +4,7 @@ Legend: ``T`` rows (tokens x top-k, sorted by expert), ``E`` experts, ``H`` hidd
 ``F`` expert intermediate size. gate_up weight ``[E, 2F, H]`` (gate rows first, then up
 rows, the Hugging Face stacked layout); down weight ``[E, H, F]``.
 
-Order of the work (spec section 16.3):
+Order of the work:
 forward:  gate_up fprop (GMM) -> SwiGLU (high precision) -> down fprop (GMM)
 backward: down dgrad, down wgrad -> SwiGLU backward (high precision) -> gate_up dgrad, gate_up wgrad
 

@@ -184,7 +184,7 @@ def reciprocal_format_max(format_max: float) -> float:
 def current_scale(amax: torch.Tensor, format_max: float) -> torch.Tensor:
     """Current-scaling factor, float32: ``amax * (1.0f / format_max)`` where finite and > 0, else 1.0.
 
-    Computed as Ascend's kernels compute it, not as the division the spec writes
+    Computed as Ascend's kernels compute it, not as the plain division
     (``amax / format_max``): ops-nn ``quant/dynamic_quant/op_kernel/arch35/
     dynamic_quant_regbase_full_load_pertensor.h`` (``ComputeMaxRowScaleVF``) takes
     ``max(|x| * (float(1.0) / maxValue))`` in FP32, i.e. the FP32 product of the amax and the

@@ -1,4 +1,4 @@
-"""Capability gate: can the NPU kernels of a format run here? (spec section 15)
+"""Capability gate: can the NPU kernels of a format run here?
 
 ``is_mxfp8_available`` / ``is_hif8_available`` report on the NPU path, checking, in order and
 naming the first thing missing:

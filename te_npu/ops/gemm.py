@@ -1,4 +1,4 @@
-"""Public low-precision GEMMs (spec section 13.4): validate, pick the backend, emit a ``te_npu.events.GemmEvent``.
+"""Public low-precision GEMMs: validate, pick the backend, emit a ``te_npu.events.GemmEvent``.
 
 Dense, 2D operands (``QuantizedOperand`` keeps its source's logical shape):
 - "NT" fprop  Y[M,N]  = X[M,K] (row) . W[N,K]^T (row)

@@ -1,4 +1,4 @@
-"""``QuantizedOperand``: one short-lived 8-bit input of one MM / GMM (spec section 7.4).
+"""``QuantizedOperand``: one short-lived 8-bit input of one MM / GMM.
 
 The GEMM input type, so it lives at the ops level: ``te_npu.ops`` consumes it, quantizers and
 weight tensors produce it (layering: quantizers / tensor -> ops, never back).

@@ -1,4 +1,4 @@
-"""The quantizer protocol: high-precision tensor -> ``QuantizedOperand`` (spec section 13.3)."""
+"""The quantizer protocol: high-precision tensor -> ``QuantizedOperand``."""
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable

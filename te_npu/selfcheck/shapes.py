@@ -1,6 +1,6 @@
 """The GEMM shapes the self-check runs: the DeepSeek-V3 16B's (``--shapes 16b``) or small ones.
 
-The 16B dims are the frozen spec's (``models/deepseek_v3/config.py`` ``DSV3_16B``; te_npu never
+The 16B dims are the model's (``models/deepseek_v3/config.py`` ``DSV3_16B``; te_npu never
 imports ``models``, so they are written out here and a test checks they are the config's):
 one micro-batch of ``seq_len`` 4096 tokens, every distinct TE weight ``[N, K]`` and the routed
 experts' stacked ``[E, N, K]`` weights with ``tokens x num_experts_per_tok`` routed rows.

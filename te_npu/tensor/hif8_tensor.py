@@ -1,4 +1,4 @@
-"""``HiF8Tensor``: a weight stored as HiFloat8 codes with an FP32 current scale (spec section 7.3).
+"""``HiF8Tensor``: a weight stored as HiFloat8 codes with an FP32 current scale.
 
 Shape legend: ``N`` = out features, ``K`` = in features, ``E`` = experts.
 

@@ -1,4 +1,4 @@
-"""``MXFP8Tensor``: a weight stored as MXFP8 row and col copies (spec section 7.2).
+"""``MXFP8Tensor``: a weight stored as MXFP8 row and col copies.
 
 Shape legend: ``N`` = out features (rows), ``K`` = in features, ``E`` = experts, ``B`` = 32.
 
@@ -14,14 +14,14 @@ Dim-0 slicing (FSDP2 shards dim 0): for a 3D weight every inner tensor has ``E``
 experts split cleanly. For a 2D weight ``col_scale`` has one row per 32 weight rows, so a
 dim-0 view is legal only at a multiple of 32 (``_slice_dim0``).
 
-FSDP2 shards ask more (``shard_alignment``, spec 9.1): a multiple of 64 rows of the flattened
+FSDP2 shards ask more (``shard_alignment``): a multiple of 64 rows of the flattened
 ``[-1, K]`` weight (dense ``N_local``, grouped ``E_local * N``), one pair of 32-row scale
 blocks, the unit of the Ascend kernels' scale layout (``te_npu.ops.layouts``). Each rank
 refreshes its shard with the NPU quantization kernels, which return col scales in 64-row pairs
 (``[..., N/64, K, 2]``); for a dense shard on pair boundaries those pairs are exactly the full
 weight's, no half pair is padded and stripped, and ``copy_canonical_scale_`` writes them in one
 copy. The stored canonical layout alone would allow any 32-row boundary (numerically the
-same weight); 64 is the spec's rule and the kernels' granularity.
+same weight); 64 is the kernels' granularity.
 
 A 2D weight may instead be sharded along K (FSDP2 ``Shard(1)``, for ``N`` that no world size
 divides into pairs, e.g. ``kv_a_proj_with_mqa [3136, 2048]``): every inner tensor is then cut
@@ -56,7 +56,7 @@ class MXFP8Tensor(QuantizedWeightTensor):
     quantizer_type: ClassVar[type] = MXFP8Quantizer
     format: ClassVar[Format] = Format.MXFP8_E4M3
     shard_alignment: ClassVar[ShardAlignment] = ShardAlignment(
-        rows=PAIR, reason="whole pairs of 32-row scale blocks, the NPU kernels' scale layout (spec 9.1)",
+        rows=PAIR, reason="whole pairs of 32-row scale blocks, the NPU kernels' scale layout",
         cols=PAIR, cols_reason="whole pairs of 32-column row-scale blocks, the NPU kernels' [N, K/64, 2] layout",
     )
 

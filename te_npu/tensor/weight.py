@@ -1,4 +1,4 @@
-"""``QuantizedWeightTensor``: the persistent 8-bit owner of one TE weight (spec sections 7.2, 7.3, 13.4).
+"""``QuantizedWeightTensor``: the persistent 8-bit owner of one TE weight.
 
 A torch wrapper subclass whose *logical* shape / dtype / device are the high-precision
 weight's (dense ``w: [N, K]``, grouped ``w: [E, N, K]``, usually bf16) and whose storage is

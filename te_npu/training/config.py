@@ -5,8 +5,8 @@ Everything that the configuration alone can reject is rejected there, before any
 process group or tensor exists, with a one-line ``te_npu.ConfigError`` that names the full
 key path (``fsdp_config.comm_fusion``, ``parallel.tensor_parallel_size``, ``checkpoint.format``
 ...): unknown keys at any depth, wrong types, out-of-range values (the schema engine,
-``te_npu.training.schema``) and the configuration rows of the spec's fail-fast matrix
-(section 15), each stated once, where the code that depends on it lives:
+``te_npu.training.schema``) and the configuration rows of the fail-fast list
+(docs/numerics-and-limits.md, Limits: "Not supported"), each stated once, where the code that depends on it lives:
 
 - low-precision format / scaling other than ``mxfp8_e4m3 + mx_block`` / ``hif8 + current``,
   keys other than ``enabled / format / scaling / scale_alg``, ``scale_alg`` other than ``ceil`` /
@@ -67,7 +67,7 @@ __all__ = [
     "load_config",
 ]
 
-_SPEC_15 = "spec section 15"
+_UNSUPPORTED = "see docs/numerics-and-limits.md, Limits"
 
 BACKENDS_BY_DEVICE: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {"cpu": ("gloo",), "cuda": ("nccl", "gloo"), "npu": ("hccl",)}
@@ -119,8 +119,7 @@ class LowPrecisionConfig:
 
 @dataclass(frozen=True)
 class FSDPConfig:
-    """FSDP2 sharding. ``comm_fusion`` exists only to be rejected (spec section 15,
-    ``validate_parallel_config``). ``dp_shard_size`` ranks share one copy of the model (each
+    """FSDP2 sharding. ``comm_fusion`` exists only to be rejected (``validate_parallel_config``). ``dp_shard_size`` ranks share one copy of the model (each
     parameter sharded over them); ``dp_replicate_size`` > 1 is HSDP: that many copies, each
     sharded over its own ``dp_shard_size`` ranks (``te_npu.distributed.mesh``); their product is
     the world size."""
@@ -137,7 +136,7 @@ class FSDPConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Model-parallel sizes; all must be 1 (spec section 15, ``validate_parallel_config``)."""
+    """Model-parallel sizes; all must be 1 (``validate_parallel_config``: TP / CP / EP / PP are not implemented)."""
 
     tensor_parallel_size: int = option(1, ge=1)
     context_parallel_size: int = option(1, ge=1)
@@ -249,9 +248,9 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class ActivationCheckpointConfig:
-    """Activation recompute: ``off`` or ``full`` (every decoder layer); nothing else (section 15)."""
+    """Activation recompute: ``off`` or ``full`` (every decoder layer); nothing else (selective recompute is not implemented)."""
 
-    mode: Literal["off", "full"] = option("off", reason=f"only 'off' and 'full' recompute are supported, {_SPEC_15}")
+    mode: Literal["off", "full"] = option("off", reason=f"only 'off' and 'full' recompute are supported, {_UNSUPPORTED}")
 
 
 @dataclass(frozen=True)
@@ -276,7 +275,7 @@ class CheckpointConfig:
     dir: str = "checkpoints"
     interval: int = option(0, ge=0)
     resume: bool | Literal["auto"] = False
-    format: Literal["dcp"] = option("dcp", reason=f"only high-precision DCP checkpoints are supported, {_SPEC_15}")
+    format: Literal["dcp"] = option("dcp", reason=f"only high-precision DCP checkpoints are supported, {_UNSUPPORTED}")
     keep_last: int = option(0, ge=0)
     load_step: int | None = option(None, ge=0)
     verify_checksums: bool = True

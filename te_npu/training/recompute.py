@@ -1,7 +1,7 @@
 """Full activation recompute of chosen layers with ``te_npu.checkpoint`` (non-reentrant
 ``torch.utils.checkpoint`` that replays the te_npu autocast state of each call).
 
-Applied after FSDP2 (spec section 12.1): only the layer's ``forward`` is wrapped, so module
+Applied after FSDP2 (``Trainer.setup``'s build order): only the layer's ``forward`` is wrapped, so module
 FQNs, state-dict keys and FSDP hooks stay as they are. TE weights are not re-quantized by the
 replayed forward (their quantized storage is reused) and the optimizer never sees recompute.
 """

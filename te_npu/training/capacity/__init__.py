@@ -64,23 +64,23 @@ Shanghai, 2025-09-18 ("Groundbreaking SuperPoD Interconnect"), the 950 series ro
 (950PR: 128 GB HiBL 1.0 at 1.6 TB/s). Read as 144 * 10**9 bytes, the smaller reading."""
 
 A5_Q3_HBM_BYTES = 96 * 2**30
-"""HBM per card of the spec's Q3 machine (section 17.1: one node of 8 Ascend A5, 96 GiB each):
+"""HBM per card of the acceptance machine (docs/a5.md: one node of 8 Ascend A5, 96 GiB each):
 the default verdict of ``scripts/estimate_memory.py`` away from an NPU."""
 
 
 def default_hbm_bytes() -> tuple[int, str]:
     """(HBM bytes per device, where the figure came from): the visible NPU's total memory
     (``torch.npu.get_device_properties(i).total_memory``) when torch_npu and a device are present,
-    else the spec's A5 (:data:`A5_Q3_HBM_BYTES`). Imports torch_npu only when called."""
+    else the acceptance machine's A5 (:data:`A5_Q3_HBM_BYTES`). Imports torch_npu only when called."""
     try:
         importlib.import_module("torch_npu")
         npu = torch.npu
         if npu.device_count() > 0:
             props = npu.get_device_properties(npu.current_device())
             return int(props.total_memory), f"this NPU ({props.name}: total_memory)"
-    except Exception:  # noqa: BLE001 - no torch_npu / no device: the spec's figure
+    except Exception:  # noqa: BLE001 - no torch_npu / no device: the acceptance machine's figure
         pass
-    return A5_Q3_HBM_BYTES, "the spec's Ascend A5, 96 GiB per card (section 17.1)"
+    return A5_Q3_HBM_BYTES, "the acceptance machine's Ascend A5, 96 GiB per card (docs/a5.md)"
 
 
 FIT_MARGIN = 0.90

@@ -1,6 +1,6 @@
 """The Trainer's Hugging Face path: start a run from HF weights, export HF weights at its end.
 
-Where the HF values enter the build order (spec section 12: FP32 masters come from the loaded
+Where the HF values enter the build order (FP32 masters come from the loaded
 high-precision values, never from 8-bit weights)::
 
     setup: ... -> [open + check the directory and config.json]        before anything is built
