@@ -114,26 +114,40 @@ def mtp_key_map(config: DeepseekV3Config, checkpoint_mtp_layers: int = 0) -> HFK
                         f"layer tensors ({first}) are not read, MTP is not trained (the main model is)")
 
 
-def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], *, per_expert: bool = False) -> dict[str, torch.Tensor]:
-    """Our state dict -> HF keys: stacked (in-memory, the identity) or per-expert (on-disk)."""
+def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], *, per_expert: bool = False,
+                     key_map: HFKeyMap = HF_KEY_MAP) -> dict[str, torch.Tensor]:
+    """Our state dict -> HF keys: stacked (in-memory, the identity) or per-expert (on-disk).
+
+    Per-expert (the layout an export writes) also writes ``key_map.copies``: with
+    ``mtp_key_map(config)`` each MTP layer's ``embed_tokens`` / ``shared_head.head`` copies of the
+    shared embedding and head, as ``save_hf_checkpoint`` does."""
     if not per_expert:
         return dict(state_dict)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        pieces = HF_KEY_MAP.pieces(name, tuple(tensor.shape))
+        pieces = key_map.pieces(name, tuple(tensor.shape))
         if pieces is None:
             out[name] = tensor
         for p in pieces or ():
             out[p.key] = tensor[p.expert, p.rows[0]: p.rows[1]]
+    for copy_key, ours in key_map.copies:
+        out[copy_key] = state_dict[ours]
     return out
 
 
-def from_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(hf_state_dict: Mapping[str, torch.Tensor], *,
+                       key_map: HFKeyMap = HF_KEY_MAP) -> dict[str, torch.Tensor]:
     """HF state dict in either layout -> our (stacked) names. Per-expert keys must cover experts
-    ``0..E-1`` with all three projections; a gap raises ``ConfigError`` listing the missing keys."""
+    ``0..E-1`` with all three projections; a gap raises ``ConfigError`` listing the missing keys.
+
+    Keys ``key_map`` leaves out are skipped, as the sharded reader skips them: with
+    ``mtp_key_map(config, checkpoint_mtp_layers)`` the MTP layers' copies of the shared embedding
+    and head (the shared tensors are read), or a model without MTP the checkpoint's MTP layers."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[tuple[int, str], torch.Tensor]] = defaultdict(dict)
     for name, tensor in hf_state_dict.items():
+        if key_map.is_left_out(name):
+            continue
         match = _PER_EXPERT_KEY.match(name)
         if match:
             experts[match["prefix"]][(int(match["e"]), match["proj"])] = tensor

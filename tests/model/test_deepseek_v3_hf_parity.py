@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import te_npu
 from models.deepseek_v3 import DeepseekV3ForCausalLM, from_hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from models.deepseek_v3.hf_mapping import load_state_dict_strict_, to_hf_state_dict
 from tests.model.conftest import hf_model_for, parity_config
@@ -103,3 +104,27 @@ def test_deepseek_v3_load_rejects_unknown_and_missing_keys():
     del state["model.norm.weight"]
     with pytest.raises(te_npu.ConfigError, match=r"model\.norm\.weight.*mlp\.extra\.weight"):
         load_state_dict_strict_(model, from_hf_state_dict(state))
+
+
+def test_mtp_state_dict_round_trip_writes_and_skips_the_copies_as_the_checkpoint_does(tmp_path):
+    """With one MTP layer the per-expert dict holds DeepSeek's copies of the shared embedding and head
+    (the keys and values ``save_hf_checkpoint`` writes); reading it back skips them and round-trips."""
+    from safetensors.torch import load_file
+
+    from models.deepseek_v3.hf_mapping import mtp_key_map
+
+    config = parity_config(None).replace(num_nextn_predict_layers=1)
+    model = DeepseekV3ForCausalLM(config, seed=3)
+    state = model.state_dict()
+    key_map = mtp_key_map(config)
+    per_expert = to_hf_state_dict(state, per_expert=True, key_map=key_map)
+    assert torch.equal(per_expert["model.layers.3.embed_tokens.weight"], state["model.embed_tokens.weight"])
+    assert torch.equal(per_expert["model.layers.3.shared_head.head.weight"], state["lm_head.weight"])
+    save_hf_checkpoint(model, tmp_path, dtype=torch.float32)
+    on_disk = {k: v for f in sorted(tmp_path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert on_disk.keys() == per_expert.keys()
+    assert all(torch.equal(on_disk[k], per_expert[k]) for k in on_disk)
+    back = from_hf_state_dict(per_expert, key_map=key_map)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    with pytest.raises(te_npu.ConfigError, match=r"unexpected keys.*layers\.3\.embed_tokens"):
+        load_state_dict_strict_(model, from_hf_state_dict(per_expert))  # without the map the copies are extra
