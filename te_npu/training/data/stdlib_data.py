@@ -144,6 +144,8 @@ def _cached_build(prefix: Path) -> dict | None:
 
 
 def build_stdlib(d: Any, vocab_size: int | None, progress: bool) -> DataSplits:
+    """The ``data`` section -> train / validation ``TokenDataset`` of the cached corpus (built now if
+    absent or stale); ``ConfigError`` naming ``data.cache_dir`` when it cannot be written."""
     prefix = Path(d.cache_dir) / f"stdlib_py{sys.version_info.major}{sys.version_info.minor}"
     try:
         train, val = build_stdlib_corpus(prefix, d.val_fraction, max_bytes=d.max_bytes, include_tests=d.include_tests)
