@@ -61,7 +61,7 @@ from te_npu.ops.capability import capability_waived
 from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
 from te_npu.training import mapped_files
 from te_npu.training.config import TrainConfig
-from te_npu.training.data import DATA_KINDS, build_splits, check_token_ids, make_batcher, validation_batches
+from te_npu.training.data import build_splits
 from te_npu.training.guards import preflight
 from te_npu.training.guards.divergence import DivergenceGuard, TrainingDiverged
 from te_npu.training.guards.stall import StallWatch
@@ -281,38 +281,24 @@ class Trainer(TrainerStorage):
         vocabulary, the sampler; every problem a one-line ``ConfigError`` naming its ``data.*`` key."""
         t, d = self.cfg.training, self.cfg.data
         self.vocab_size = self.task.vocab_size(self.cfg)
-        splits = None
-        if DATA_KINDS[d.kind].writes_cache:
-            if self.rank == 0:  # builds / verifies the cache before the others read it
-                splits = build_splits(d, self.vocab_size, progress=True)
-            self._barrier()
-        splits = splits or build_splits(d, self.vocab_size)
+        splits = build_splits(d, self.vocab_size, rank=self.rank, barrier=self._barrier)  # a cache: rank 0 first
         self.train_data, self.val_data = splits.train, splits.val
         for dataset, key in ((splits.train, splits.train_key), (splits.val, splits.val_key)):
-            note = check_token_ids(dataset, self.vocab_size, key)
+            note = dataset.check_token_ids(self.vocab_size, key)
             if note:
                 self._print_rank0(f" note: {note}")
         mapped_files.record(launch_env().mapped_files_dir, self.rank)  # the launcher's SIGBUS diagnosis
         run_samples = t.train_steps * t.micro_batch_size * t.gradient_accumulation_steps * self.world_size
 
-        def batcher():
-            try:
-                return make_batcher(self.train_data, t.micro_batch_size, t.seq_len, seed=t.seed, rank=self.rank,
-                                    world_size=self.world_size, shuffle=d.shuffle, vocab_size=self.vocab_size,
-                                    run_samples=run_samples, start_sample=d.start_sample,
-                                    train_samples=d.train_samples)
-            except ConfigError:
-                raise  # already one line naming its data (a stale index cache that cannot be rebuilt)
-            except ValueError as exc:
-                raise ConfigError(f"{splits.train_key} / training.seq_len / training.micro_batch_size: {exc}") from None
-
-        made = None
-        if getattr(self.train_data, "builds_index", False):  # Megatron's indices: rank 0 builds, the others map
-            made = batcher() if self.rank == 0 else None
-            self._barrier()
-            if made is None:  # what rank 0 checked or rebuilt is mapped as it is, or refused: never rebuilt here
-                self.train_data = dataclasses.replace(self.train_data, may_build=False)
-        self.batcher = made if made is not None else batcher()
+        try:  # a split that writes files (Megatron's indices) writes them on rank 0 first
+            self.batcher = self.train_data.batcher(
+                t.micro_batch_size, t.seq_len, seed=t.seed, rank=self.rank, world_size=self.world_size,
+                shuffle=d.shuffle, vocab_size=self.vocab_size, run_samples=run_samples, start_sample=d.start_sample,
+                train_samples=d.train_samples, barrier=self._barrier)
+        except ConfigError:
+            raise  # already one line naming its data (a stale index cache that cannot be rebuilt)
+        except ValueError as exc:
+            raise ConfigError(f"{splits.train_key} / training.seq_len / training.micro_batch_size: {exc}") from None
         for note in getattr(self.batcher, "notes", ()):
             self._print_rank0(f" note: {note}")
 
@@ -529,8 +515,8 @@ class Trainer(TrainerStorage):
         ``lm_loss`` and the task's named extras (``LossParts.extras``), one all-reduce."""
         t = self.cfg.training
         parts = []
-        batches = validation_batches(
-            self.val_data, t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
+        batches = self.val_data.validation_batches(
+            t.micro_batch_size, t.seq_len, num_batches=t.eval_steps, rank=self.rank,
             world_size=self.world_size, vocab_size=self.vocab_size, seed=t.seed,
         )
         with self._warm_up("evaluation") as limit, self._watch.phase("evaluation", self.global_step, limit_s=limit), \

@@ -127,3 +127,114 @@ def test_resegmented_dataset_under_an_existing_cache_trains_as_a_fresh_cache(tmp
     notes = [line for line in again["lines"] if "rebuilt the sample index cache" in line]
     assert len(notes) == 1 and f"data.path: {corpora['web']}.idx [train: sequences 0:36]" in notes[0], notes
     assert not any("rebuilt" in line for line in fresh["lines"])
+
+
+# ---- a new data kind is one module and one registry line: a toy kind, defined here ----
+
+TOY_PERIOD = 200  # toy token t at global offset i: (i * 7) % TOY_PERIOD, a sequence the model can learn
+
+
+def _toy_windows(first_sample: int, count: int, seq_len: int):
+    import numpy as np
+    import torch
+
+    offsets_BS1 = (first_sample + np.arange(count))[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    window_BS1 = torch.from_numpy((offsets_BS1 * 7) % TOY_PERIOD)
+    return window_BS1[:, :-1].contiguous(), window_BS1[:, 1:].contiguous()
+
+
+class ToyBatcher:
+    """Rank r of W takes samples ``c + r * B .. c + (r + 1) * B`` of micro batch ``c``; the position is ``c``."""
+
+    def __init__(self, split, micro_batch_size, seq_len, rank, world_size):
+        self.split, self.micro_batch_size, self.seq_len = split, micro_batch_size, seq_len
+        self.rank, self.world_size, self.consumed_samples = rank, world_size, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        first = self.split.start + self.consumed_samples + self.rank * self.micro_batch_size
+        self.consumed_samples += self.micro_batch_size * self.world_size
+        return _toy_windows(first, self.micro_batch_size, self.seq_len)
+
+    def state_dict(self):
+        return {"kind": "toy", "consumed_samples": self.consumed_samples}
+
+    def position_for(self, state):
+        if state.get("kind") != "toy":
+            raise ValueError("data state mismatch: not saved reading the toy kind")
+        return int(state["consumed_samples"])
+
+    def load_state_dict(self, state):
+        self.consumed_samples = self.position_for(state)
+
+
+class ToySplit:
+    """A ``DataSplit`` (te_npu.training.data.kind) that records what the trainer asked of it."""
+
+    def __init__(self, start: int):
+        self.start, self.asked = start, []
+
+    def check_token_ids(self, vocab_size, key):
+        self.asked.append(("check_token_ids", key))
+        if vocab_size < TOY_PERIOD:
+            raise ConfigError(f"{key}: the toy kind needs vocab_size >= {TOY_PERIOD}")
+        return f"{key}: toy tokens are below {TOY_PERIOD}"
+
+    def batcher(self, micro_batch_size, seq_len, *, seed, rank=0, world_size=1, shuffle=True, vocab_size=None,
+                run_samples=None, start_sample=None, train_samples=None, barrier=None):
+        self.asked.append(("batcher", rank, world_size))
+        return ToyBatcher(self, micro_batch_size, seq_len, rank, world_size)
+
+    def validation_batches(self, micro_batch_size, seq_len, *, num_batches, rank=0, world_size=1, vocab_size=None,
+                           seed=None):
+        self.asked.append(("validation_batches", num_batches))
+        for k in range(num_batches):
+            yield _toy_windows(self.start + (k * world_size + rank) * micro_batch_size, micro_batch_size, seq_len)
+
+
+def _build_toy(d, vocab_size, progress):
+    from pathlib import Path
+
+    from te_npu.training.data import DataSplits
+
+    Path(d.cache_dir).mkdir(parents=True, exist_ok=True)
+    (Path(d.cache_dir) / "toy_prepared").write_text("rank 0 prepares once")  # the kind's one-time preparation
+    return DataSplits(ToySplit(0), ToySplit(10**6), "data.kind", "data.kind")
+
+
+def test_a_registered_toy_kind_trains_through_the_trainer_with_no_other_change(tmp_path, single_process, monkeypatch):
+    from types import MappingProxyType
+
+    from te_npu.training import data as data_package
+    from te_npu.training.data import DataKind
+
+    # the one registry line a new kind adds (here patched in; in the package, a line of DATA_KINDS)
+    monkeypatch.setattr(data_package, "DATA_KINDS",
+                        MappingProxyType({**data_package.DATA_KINDS, "toy": DataKind(_build_toy, writes_cache=True)}))
+    overrides = ["data.kind=toy", *ONE_RANK, "training.eval_steps=2"]
+    lines: list[str] = []
+    trainer, _ = H._trainer(R.data_config(tmp_path / "run", overrides), lines)
+    try:
+        trainer.setup(R.data_config(tmp_path / "run", overrides))
+        losses = [trainer.train_step().lm_loss for _ in range(3)]
+        val_loss = trainer.evaluate()
+        trainer.save_dcp(str(tmp_path / "dcp"))
+        train_split, val_split = trainer.train_data, trainer.val_data
+    finally:
+        trainer.close()
+    assert isinstance(train_split, ToySplit) and isinstance(val_split, ToySplit)
+    assert train_split.asked == [("check_token_ids", "data.kind"), ("batcher", 0, 1)]
+    assert val_split.asked == [("check_token_ids", "data.kind"), ("validation_batches", 2)]
+    assert (tmp_path / "run" / "data_cache" / "toy_prepared").is_file()
+    assert any("toy tokens are below" in line for line in lines)  # the split's note, printed by the trainer
+    assert all(math.isfinite(x) for x in [*losses, val_loss]) and losses[-1] < losses[0]
+
+    resumed, _ = H._trainer(R.data_config(tmp_path / "resume", overrides), [])
+    try:
+        resumed.setup(R.data_config(tmp_path / "resume", overrides))
+        assert resumed.load_dcp(str(tmp_path / "dcp")) == 3
+        assert isinstance(resumed.batcher, ToyBatcher) and resumed.batcher.consumed_samples == 3 * 2
+    finally:
+        resumed.close()

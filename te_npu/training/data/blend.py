@@ -24,7 +24,7 @@ Legend: B = micro batch size, S = sequence length, W = world size, K = datasets 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +189,29 @@ class TokenBlend:
                 raise ValueError(f"{part.key}: {part.data.describe()} ({len(part.data)} tokens) holds no sample of "
                                  f"seq_len + 1 = {seq_len + 1} tokens")
         return counts
+
+    # --- the DataSplit protocol (te_npu.training.data.kind) ---
+
+    def check_token_ids(self, vocab_size: int, key: str) -> str | None:
+        """Each part's ids checked by the part itself, under the part's own key (``key`` unused)."""
+        notes = [part.data.check_token_ids(vocab_size, part.key) for part in self.parts]
+        return "; ".join(n for n in notes if n) or None
+
+    def batcher(self, micro_batch_size: int, seq_len: int, *, seed: int, rank: int = 0, world_size: int = 1,
+                shuffle: bool = True, vocab_size: int | None = None, run_samples: int | None = None,
+                start_sample: int | None = None, train_samples: int | None = None,
+                barrier: Callable[[], None] | None = None) -> BlendBatcher:
+        """``BlendBatcher`` over this blend. Megatron's ``run_samples`` / ``start_sample`` /
+        ``train_samples`` do not apply; nothing is written, so no ``barrier`` is needed."""
+        return BlendBatcher(self, micro_batch_size, seq_len, seed=seed, rank=rank, world_size=world_size,
+                            shuffle=shuffle, vocab_size=vocab_size)
+
+    def validation_batches(self, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0,
+                           world_size: int = 1, vocab_size: int | None = None,
+                           seed: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The start of the blend's stream, each dataset in file order (``blend_validation_batches``)."""
+        return blend_validation_batches(self, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
+                                        world_size=world_size, vocab_size=vocab_size)
 
 
 class _BlendStream:

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -220,10 +220,50 @@ class MegatronSplit:
     key: str
     may_build: bool = True  # False: a cache that is missing or stale is refused (other ranks map it already)
 
-    builds_index = True  # the trainer lets rank 0 build the indices before the others map them
-
     def token_views(self) -> list[tuple[TokenDataset, str]]:
         return [(s.token_view(), s.key) for s in self.sources]
+
+    # --- the DataSplit protocol (te_npu.training.data.kind) ---
+
+    def check_token_ids(self, vocab_size: int, key: str) -> str | None:
+        """Each dataset's share of the split, checked as the tokens of its ``.bin`` under its own key."""
+        notes = [view.check_token_ids(vocab_size, part_key) for view, part_key in self.token_views()]
+        return "; ".join(n for n in notes if n) or None
+
+    def batcher(self, micro_batch_size: int, seq_len: int, *, seed: int, rank: int = 0, world_size: int = 1,
+                shuffle: bool = True, vocab_size: int | None = None, run_samples: int | None = None,
+                start_sample: int | None = None, train_samples: int | None = None,
+                barrier: Callable[[], None] | None = None) -> MegatronBatcher:
+        """``MegatronBatcher`` over this split, its indices sized for ``train_samples`` (default
+        ``start_sample + run_samples``). ``shuffle`` is ignored: Megatron's order is always shuffled
+        (``megatron_data.check_config``). With ``barrier``, rank 0 builds (or checks, or rebuilds)
+        the indices in ``cache_dir`` first; the other ranks then map what it wrote, or refuse it,
+        never rebuilding it themselves."""
+        if train_samples is None:
+            if run_samples is None:
+                raise ValueError("Megatron's samples need train_samples or run_samples (how many the index covers)")
+            train_samples = (start_sample or 0) + run_samples
+
+        def make(split: MegatronSplit) -> MegatronBatcher:
+            return MegatronBatcher(split, micro_batch_size, seq_len, seed=seed, rank=rank, world_size=world_size,
+                                   vocab_size=vocab_size, train_samples=train_samples, start_sample=start_sample,
+                                   run_samples=run_samples)
+
+        if barrier is None:
+            return make(self)
+        made = make(self) if rank == 0 else None
+        barrier()
+        return made if made is not None else make(replace(self, may_build=False))
+
+    def validation_batches(self, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0,
+                           world_size: int = 1, vocab_size: int | None = None,
+                           seed: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The first batches of Megatron's validation samples (``megatron_validation_batches``;
+        ``seed`` required: ``training.seed``)."""
+        if seed is None:
+            raise ValueError("Megatron's validation samples need the seed (training.seed)")
+        return megatron_validation_batches(self, micro_batch_size, seq_len, seed=seed, num_batches=num_batches,
+                                           rank=rank, world_size=world_size, vocab_size=vocab_size)
 
     def describe(self) -> str:
         return " + ".join(str(s.dataset.bin_path) for s in self.sources)

@@ -42,10 +42,11 @@ from te_npu.errors import ConfigError
 from te_npu.training.data.hf_stream import HFStream, fingerprint
 from te_npu.training.data.indexed_dataset import MegatronIndexedDataset, index_paths, smallest_token_dtype, \
     write_indexed_dataset
+from te_npu.training.data.kind import DataKind
 from te_npu.training.data.megatron_data import check_validation_keys, document_split, open_indexed
 from te_npu.training.data.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split
 
-__all__ = ["KEYS", "check_config", "build_hf", "load_tokenizer", "tokenized_cache", "open_stream", "data_files", "BUILDERS"]
+__all__ = ["KIND", "KEYS", "check_config", "build_hf", "load_tokenizer", "tokenized_cache", "open_stream", "data_files", "BUILDERS"]
 
 KEYS = frozenset({"path", "val_path", "split", "tokenizer", "streaming"})
 """The optional ``data.*`` keys this kind reads (besides ``text_key``, ``hf_split``, ``cache_dir``)."""
@@ -97,6 +98,11 @@ def build_hf(d: Any, vocab_size: int | None, progress: bool) -> DataSplits:
     return DataSplits(document_split(train_data, fractions, TRAIN, "data.path", meta),
                       document_split(train_data, fractions, VALID, "data.path / data.split", meta),
                       "data.path", "data.split")
+
+
+KIND = DataKind(build_hf, KEYS, check_config, writes_cache=True)
+"""The registry entry (``te_npu.training.data.DATA_KINDS["hf"]``): the build writes the tokenized
+cache (rank 0 first); the splits are ``TokenDataset`` views of it, or ``HFStream`` objects."""
 
 
 def load_tokenizer(directory: str, vocab_size: int | None) -> Any:

@@ -47,6 +47,29 @@ class HFStream:
     def describe(self) -> str:
         return f"{self.source} (streamed)"
 
+    # --- the DataSplit protocol (te_npu.training.data.kind) ---
+
+    def check_token_ids(self, vocab_size: int, key: str) -> str | None:
+        """Nothing to read ahead (``load_tokenizer`` checked the vocabulary): a note saying so."""
+        return (f"{key}: {self.describe()} is tokenized as it is read: its {self.vocab_size}-id tokenizer fits the "
+                f"model's vocab_size {vocab_size}, and every batch is checked exactly")
+
+    def batcher(self, micro_batch_size: int, seq_len: int, *, seed: int, rank: int = 0, world_size: int = 1,
+                shuffle: bool = False, vocab_size: int | None = None, run_samples: int | None = None,
+                start_sample: int | None = None, train_samples: int | None = None,
+                barrier: Callable[[], None] | None = None) -> StreamBatcher:
+        """``StreamBatcher`` over this stream (read in order: ``shuffle`` must be false). Megatron's ``run_samples`` / ``start_sample`` /
+        ``train_samples`` do not apply; nothing is written, so no ``barrier`` is needed."""
+        return StreamBatcher(self, micro_batch_size, seq_len, seed=seed, rank=rank, world_size=world_size,
+                             shuffle=shuffle, vocab_size=vocab_size)
+
+    def validation_batches(self, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0,
+                           world_size: int = 1, vocab_size: int | None = None,
+                           seed: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The start of the stream (``stream_validation_batches``)."""
+        return stream_validation_batches(self, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
+                                         world_size=world_size, vocab_size=vocab_size)
+
     def windows(self, seq_len: int, skip: int = 0) -> Iterator[np.ndarray]:
         """One pass: its windows ``[S + 1]`` int64 in order, the first ``skip`` read and dropped."""
         buffer, served = np.zeros(0, dtype=np.int64), 0

@@ -32,10 +32,11 @@ from te_npu.errors import ConfigError
 from te_npu.training.data.blend import parse_blend
 from te_npu.training.data.gpt_samples import GPTSource, MegatronSplit
 from te_npu.training.data.indexed_dataset import IndexFormatError, MegatronIndexedDataset
+from te_npu.training.data.kind import DataKind
 from te_npu.training.data.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split, split_range
 from te_npu.training.data.token_dataset import TokenDataset
 
-__all__ = ["KEYS", "check_config", "build_megatron", "open_indexed", "document_split", "sequence_split",
+__all__ = ["KIND", "KEYS", "check_config", "build_megatron", "open_indexed", "document_split", "sequence_split",
            "read_global_samples"]
 
 KEYS = frozenset({"path", "blend", "val_path", "val_blend", "split", "start_sample", "train_samples"})
@@ -89,6 +90,11 @@ def build_megatron(d: Any, vocab_size: int | None, progress: bool) -> DataSplits
     val = _split([(w, open_indexed(p, key), key) for w, p, key in _sources(d.val_blend, d.val_path, val_key)],
                  None, VALID, d.cache_dir, val_key, per_split=True)
     return DataSplits(train, val, train_key, val_key)
+
+
+KIND = DataKind(build_megatron, KEYS, check_config)
+"""The registry entry (``te_npu.training.data.DATA_KINDS["megatron"]``): the splits are
+``MegatronSplit`` objects, whose batcher builds the sample indices (rank 0 first)."""
 
 
 def _split(opened: list[tuple[float | None, MegatronIndexedDataset, str]], fractions: tuple[float, float, float] | None,

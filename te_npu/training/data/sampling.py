@@ -1,8 +1,8 @@
-"""Deterministic, resumable samplers over token splits: ``TokenBatcher`` (one split, epochs of
-shuffled windows), ``BlendBatcher`` (a weighted blend, ``te_npu.training.data.blend``),
-``MegatronBatcher`` (Megatron's own samples and order, ``te_npu.training.data.gpt_samples``),
-``StreamBatcher`` (a streamed HF dataset, ``te_npu.training.data.hf_stream``) and the fixed validation
-batches; ``make_batcher`` / ``validation_batches`` pick the one a split needs.
+"""The sampler of one token split, ``TokenBatcher`` (epochs of shuffled windows), its fixed
+validation batches (``window_validation_batches``), and the two entry points that ask any split
+(``te_npu.training.data.kind.DataSplit``) for its own: ``make_batcher`` and ``validation_batches``.
+The other splits' samplers live with them: ``BlendBatcher`` (``blend``), ``MegatronBatcher``
+(``gpt_samples``), ``StreamBatcher`` (``hf_stream``).
 
 A sample is a window of ``seq_len + 1`` tokens (``TokenDataset.windows``): ``input_ids =
 window[:-1]``, ``labels = window[1:]`` (already shifted, Megatron's convention).
@@ -18,12 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_npu.training.data.blend import BlendBatcher, TokenBlend, blend_validation_batches
-from te_npu.training.data.gpt_samples import MegatronBatcher, MegatronSplit, megatron_validation_batches
-from te_npu.training.data.hf_stream import HFStream, StreamBatcher, stream_validation_batches
-
-__all__ = ["TokenBatcher", "BlendBatcher", "StreamBatcher", "MegatronBatcher", "make_batcher", "validation_batches"]
-
+__all__ = ["TokenBatcher", "window_validation_batches", "make_batcher", "validation_batches"]
 
 
 @dataclass
@@ -160,7 +155,7 @@ class TokenBatcher:
         return _Position(int(state["epoch"]), batch)
 
 
-def _window_validation_batches(
+def window_validation_batches(
     dataset: Any, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0, world_size: int = 1,
     vocab_size: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -180,52 +175,18 @@ def _window_validation_batches(
                               vocab_size=vocab_size)
 
 
-_SAMPLERS = ((TokenBlend, BlendBatcher), (HFStream, StreamBatcher))
-"""Split type -> its sampler (anything else: ``TokenBatcher``)."""
-
-
-def make_batcher(data: Any, micro_batch_size: int, seq_len: int, *, run_samples: int | None = None,
-                 start_sample: int | None = None, train_samples: int | None = None,
-                 **kwargs: Any) -> TokenBatcher | BlendBatcher | MegatronBatcher:
-    """The sampler of a train split: ``BlendBatcher`` for a ``TokenBlend``, ``MegatronBatcher`` for
-    a ``MegatronSplit``, else ``TokenBatcher`` (``kwargs``: ``seed``, ``rank``, ``world_size``,
-    ``shuffle``, ``vocab_size``). Megatron's samples only: ``start_sample`` (``data.start_sample``)
-    and ``train_samples`` (``data.train_samples``; default ``start_sample + run_samples``, the
-    samples this run reads: ``train_steps x`` the global batch)."""
-    if isinstance(data, MegatronSplit):
-        kwargs.pop("shuffle", None)  # Megatron's order is always shuffled (megatron_data.check_config)
-        if train_samples is None:
-            if run_samples is None:
-                raise ValueError("Megatron's samples need train_samples or run_samples (how many the index covers)")
-            train_samples = (start_sample or 0) + run_samples
-        return MegatronBatcher(data, micro_batch_size, seq_len, train_samples=train_samples,
-                               start_sample=start_sample, run_samples=run_samples, **kwargs)
-    cls = next((batcher for kind, batcher in _SAMPLERS if isinstance(data, kind)), TokenBatcher)
-    return cls(data, micro_batch_size, seq_len, **kwargs)
+def make_batcher(data: Any, micro_batch_size: int, seq_len: int, **kwargs: Any) -> Any:
+    """The train sampler of a split: ``data.batcher(micro_batch_size, seq_len, **kwargs)``
+    (``kwargs``: ``seed``, ``rank``, ``world_size``, ``shuffle``, ``vocab_size``; Megatron's samples
+    also ``run_samples``, ``start_sample``, ``train_samples``; see ``DataSplit.batcher``)."""
+    return data.batcher(micro_batch_size, seq_len, **kwargs)
 
 
 def validation_batches(
     data: Any, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0, world_size: int = 1,
     vocab_size: int | None = None, seed: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``num_batches`` validation batches of this rank, always the same ones.
-
-    One split: samples in file order, rank-strided like ``TokenBatcher``; yields fewer batches
-    when the split is short (every rank the same count) and raises ``ValueError`` if it has none.
-    A blend: the start of its stream (``blend_validation_batches``), each dataset in file order.
-    Megatron's samples (a ``MegatronSplit``, ``seed`` required): the first batches of its
-    validation ``GPTDataset`` / ``BlendedDataset`` (``megatron_validation_batches``).
-    """
-    if isinstance(data, MegatronSplit):
-        if seed is None:
-            raise ValueError("Megatron's validation samples need the seed (training.seed)")
-        return megatron_validation_batches(data, micro_batch_size, seq_len, seed=seed, num_batches=num_batches,
-                                           rank=rank, world_size=world_size, vocab_size=vocab_size)
-    if isinstance(data, HFStream):
-        return stream_validation_batches(data, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
-                                         world_size=world_size, vocab_size=vocab_size)
-    if isinstance(data, TokenBlend):
-        return blend_validation_batches(data, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
-                                        world_size=world_size, vocab_size=vocab_size)
-    return _window_validation_batches(data, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
-                                      world_size=world_size, vocab_size=vocab_size)
+    """The first ``num_batches`` validation batches of this rank, always the same ones: the split's
+    own (``DataSplit.validation_batches``)."""
+    return data.validation_batches(micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
+                                   world_size=world_size, vocab_size=vocab_size, seed=seed)

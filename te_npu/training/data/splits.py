@@ -28,8 +28,9 @@ TRAIN, VALID, TEST = 0, 1, 2
 
 @dataclass(frozen=True)
 class DataSplits:
-    """A run's data: ``train`` / ``val`` (a ``TokenDataset`` or a ``TokenBlend``) and the config
-    keys that name them in errors (``data.path``, ``data.split``, ...)."""
+    """A run's data: ``train`` / ``val`` (each a ``DataSplit``, ``te_npu.training.data.kind``: a
+    ``TokenDataset``, ``TokenBlend``, ``MegatronSplit`` or ``HFStream`` today) and the config keys
+    that name them in errors (``data.path``, ``data.split``, ...)."""
 
     train: Any
     val: Any

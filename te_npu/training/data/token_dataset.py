@@ -9,6 +9,10 @@ is a memory-mapped range of token ids of any such file (or of a Megatron ``.bin`
   "vocab_size", "eos_token_id", "tokenizer": {...}, "split", "sha256" (of the .bin),
   "sources": [{"path", "sha256", "num_tokens"}], "build": {...}}``.
 
+``TokenDataset`` is a data split (``te_npu.training.data.kind.DataSplit``): its train batches
+come from ``TokenBatcher`` (``sampling``), its validation batches are its first windows in file
+order, and ``check_token_ids`` reads its ids before the model is built.
+
 Samples: with sequence length S, sample ``i`` is the window ``tokens[i*S : i*S + S + 1]``;
 ``input_ids = window[:-1]`` and ``labels = window[1:]``. **Labels are already shifted**
 (Megatron convention: ``labels[b, t]`` is the token after ``input_ids[b, t]``), so the loss
@@ -22,13 +26,15 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from te_npu.errors import ConfigError
+from te_npu.training.data.sampling import TokenBatcher, window_validation_batches
 from te_npu.training.data.token_checksum import check_sha256
 
 __all__ = [
@@ -42,9 +48,16 @@ __all__ = [
     "describe_invalid_id",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "SCAN_LIMIT_BYTES",
 ]
 
 FORMAT_NAME, FORMAT_VERSION = "te_npu.tokens", 1
+
+SCAN_LIMIT_BYTES = 4 << 30
+"""``TokenDataset.check_token_ids`` reads every token of a split up to this size before training
+(about 0.1 s per GiB from the page cache); of a larger one, ``SAMPLE_CHUNKS`` evenly spread chunks
+of ``SAMPLE_CHUNK_TOKENS``. Every batch is checked exactly either way (``TokenDataset.windows``)."""
+SAMPLE_CHUNKS, SAMPLE_CHUNK_TOKENS = 64, 1 << 20
 
 
 def split_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
@@ -191,6 +204,58 @@ class TokenDataset:
             if bad is not None:
                 return self.start + begin + bad[0], bad[1]
         return None
+
+    # --- the DataSplit protocol (te_npu.training.data.kind) ---
+
+    def check_token_ids(self, vocab_size: int, key: str) -> str | None:
+        """Raise ``ConfigError`` naming ``key`` if this split cannot feed a model of ``vocab_size``.
+
+        The header's tokenizer ``vocab_size`` (te_npu files; Megatron's index has none) must not
+        exceed the model's; then the ids themselves are read: all of them up to
+        ``SCAN_LIMIT_BYTES`` (a header can be wrong, or the ``.bin`` edited), a sample of a larger
+        split. An id >= ``vocab_size``, a negative one (signed Megatron dtypes) or a fraction
+        (float dtypes) is refused. Returns a note when only a sample was read.
+        """
+        header_vocab = self.vocab_size
+        if header_vocab is not None and header_vocab > vocab_size:
+            raise ConfigError(
+                f"{key}: {self.describe()} was tokenized with vocab_size {header_vocab} (its .json header), larger "
+                f"than the model's vocab_size {vocab_size}; ids >= {vocab_size} would index past the embedding"
+            )
+        nbytes, note, chunks = len(self) * self.tokens.dtype.itemsize, None, None
+        if nbytes > SCAN_LIMIT_BYTES:
+            chunks = _spread_chunks(len(self), SAMPLE_CHUNKS, SAMPLE_CHUNK_TOKENS)
+            read = sum(b - a for a, b in chunks)
+            note = (f"{key}: {self.describe()} ({nbytes / 2**30:.1f} GiB) is too large to read before training: "
+                    f"sampled {read} of its {len(self)} tokens; every batch is checked exactly")
+        bad = self.first_token_at_or_above(vocab_size, chunks)
+        if bad is not None:
+            header = f" (the .json header says vocab_size {header_vocab})" if header_vocab is not None else ""
+            raise ConfigError(f"{key}: {self.describe()} holds token id {bad[1]} at token offset {bad[0]}, which "
+                              f"{describe_invalid_id(bad[1], vocab_size)}{header}")
+        return note
+
+    def batcher(self, micro_batch_size: int, seq_len: int, *, seed: int, rank: int = 0, world_size: int = 1,
+                shuffle: bool = True, vocab_size: int | None = None, run_samples: int | None = None,
+                start_sample: int | None = None, train_samples: int | None = None,
+                barrier: Callable[[], None] | None = None) -> TokenBatcher:
+        """``TokenBatcher`` over this split. Megatron's ``run_samples`` / ``start_sample`` /
+        ``train_samples`` do not apply; nothing is written, so no ``barrier`` is needed."""
+        return TokenBatcher(self, micro_batch_size, seq_len, seed=seed, rank=rank, world_size=world_size,
+                            shuffle=shuffle, vocab_size=vocab_size)
+
+    def validation_batches(self, micro_batch_size: int, seq_len: int, *, num_batches: int, rank: int = 0,
+                           world_size: int = 1, vocab_size: int | None = None,
+                           seed: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The first windows in file order, rank-strided like ``TokenBatcher`` (``window_validation_batches``)."""
+        return window_validation_batches(self, micro_batch_size, seq_len, num_batches=num_batches, rank=rank,
+                                         world_size=world_size, vocab_size=vocab_size)
+
+
+def _spread_chunks(num_tokens: int, count: int, size: int) -> list[tuple[int, int]]:
+    """``count`` ranges of ``size`` tokens spread evenly over ``[0, num_tokens)``, first and last included."""
+    starts = np.linspace(0, max(num_tokens - size, 0), count).astype(np.int64)
+    return [(int(a), int(min(a + size, num_tokens))) for a in np.unique(starts)]
 
 
 def split_windows(window_BS1: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from te_npu import ConfigError
-from te_npu.training import data as data_module
+from te_npu.training.data import token_dataset
 from te_npu.training.config import DataConfig, load_config
 from te_npu.training.data import build_splits, check_token_ids
 from te_npu.training.data.indexed_dataset import IndexFormatError, MegatronIndexedDataset, write_indexed_dataset
@@ -144,8 +144,8 @@ def test_large_split_sampled_at_startup_and_checked_exactly_per_batch(tmp_path, 
     val_doc[19_990] = 301  # inside the last sampled chunk (file offset 39990)
     splits = build_splits(megatron_cfg(path=str(write_megatron(tmp_path / "big", [train_doc, val_doc])), split="1,1",
                                        cache_dir=str(tmp_path / "cache")))
-    monkeypatch.setattr(data_module, "SCAN_LIMIT_BYTES", 1000)
-    monkeypatch.setattr(data_module, "SAMPLE_CHUNK_TOKENS", 100)
+    monkeypatch.setattr(token_dataset, "SCAN_LIMIT_BYTES", 1000)  # where TokenDataset.check_token_ids reads it
+    monkeypatch.setattr(token_dataset, "SAMPLE_CHUNK_TOKENS", 100)
     with pytest.raises(ConfigError, match=r"token id 301 at token offset 39990"):
         check_token_ids(splits.val, 256, "data.split")
     note = check_token_ids(splits.train, 256, "data.path")  # 300 at 10011 is not sampled
