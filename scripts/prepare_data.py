@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from te_npu.training.data.indexed_dataset import smallest_token_dtype, write_indexed_dataset  # noqa: E402
+from te_npu.training.data.megatron.indexed_dataset import smallest_token_dtype, write_indexed_dataset  # noqa: E402
 from te_npu.training.data import (  # noqa: E402
     BYTE_EOS_ID,
     BYTE_VOCAB_SIZE,

@@ -179,7 +179,7 @@ def test_the_walk_sees_the_edges_it_checks():
     assert "te_npu.ops.kernels" in GRAPH["te_npu.ops.emulation"]
     assert "te_npu.training.metrics.plots" in GRAPH["te_npu.training.trainer"]  # imported inside a method
     assert RANK["modules"] > RANK["functional"] > RANK["tensor"] > RANK["ops"] > RANK["numerics"]
-    assert "te_npu.training.data.blend" in GRAPH["te_npu.training.data.gpt_samples"]  # inside a room
+    assert "te_npu.training.data.blend" in GRAPH["te_npu.training.data.megatron.gpt_samples"]  # inside a room
     assert "te_npu.distributed.storage.folder" in GRAPH["te_npu.training.trainer_storage"]
 
 

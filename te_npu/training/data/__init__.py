@@ -12,13 +12,13 @@ Today:
   tokenized (vocab 256), whole files held out for validation, cached in the te_npu token format;
 - ``bin`` (``bin_data``): a prepared te_npu token split (``scripts/prepare_data.py``);
 - ``megatron`` (``megatron_data``): Megatron-LM indexed datasets read in place, one prefix or a
-  blend, served as Megatron's ``GPTDataset`` / ``BlendedDataset`` samples (``gpt_samples``,
-  ``gpt_index``, ``indexed_dataset``); ``read_global_samples`` reads them without training;
+  blend, served as Megatron's ``GPTDataset`` / ``BlendedDataset`` samples (the ``megatron``
+  sub-package: its formats and indices); ``read_global_samples`` reads them without training;
 - ``hf`` (``hf_data``): a local Hugging Face dataset tokenized once into a cached Megatron
   indexed dataset, or tokenized as it is read (``streaming: true``, ``hf_stream``).
 
 The split types: ``TokenDataset`` (``token_dataset``, sampled by ``sampling.TokenBatcher``),
-``TokenBlend`` (``blend``), ``MegatronSplit`` (``gpt_samples``), ``HFStream`` (``hf_stream``).
+``TokenBlend`` (``blend``), ``MegatronSplit`` (``megatron.gpt_samples``), ``HFStream`` (``hf_stream``).
 ``make_batcher`` / ``validation_batches`` / ``check_token_ids`` are the split's own methods
 called as functions. None of this package imports anything else of ``te_npu.training``.
 """

@@ -40,7 +40,7 @@ import numpy as np
 
 from te_npu.errors import ConfigError
 from te_npu.training.data.hf_stream import HFStream, fingerprint
-from te_npu.training.data.indexed_dataset import MegatronIndexedDataset, index_paths, smallest_token_dtype, \
+from te_npu.training.data.megatron.indexed_dataset import MegatronIndexedDataset, index_paths, smallest_token_dtype, \
     write_indexed_dataset
 from te_npu.training.data.kind import DataKind
 from te_npu.training.data.megatron_data import check_validation_keys, document_split, open_indexed

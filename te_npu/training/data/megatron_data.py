@@ -30,8 +30,8 @@ import numpy as np
 
 from te_npu.errors import ConfigError
 from te_npu.training.data.blend import parse_blend
-from te_npu.training.data.gpt_samples import GPTSource, MegatronSplit
-from te_npu.training.data.indexed_dataset import IndexFormatError, MegatronIndexedDataset
+from te_npu.training.data.megatron.gpt_samples import GPTSource, MegatronSplit
+from te_npu.training.data.megatron.indexed_dataset import IndexFormatError, MegatronIndexedDataset
 from te_npu.training.data.kind import DataKind
 from te_npu.training.data.splits import DEFAULT_SPLIT, TRAIN, VALID, DataSplits, parse_split, split_range
 from te_npu.training.data.token_dataset import TokenDataset

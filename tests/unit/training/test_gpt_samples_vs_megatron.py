@@ -5,7 +5,7 @@ weightless blend, train and valid), and the sampler's resume on another world si
 import numpy as np
 import pytest
 
-from te_npu.training.data import gpt_index
+from te_npu.training.data.megatron import gpt_index
 from te_npu.training.data.megatron_data import read_global_samples
 from te_npu.training.data import build_splits
 from te_npu.training.config import DataConfig

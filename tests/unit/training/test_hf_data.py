@@ -12,7 +12,7 @@ import torch
 from te_npu import ConfigError
 from te_npu.training.config import DataConfig
 from te_npu.training.data import build_splits, check_token_ids
-from te_npu.training.data.indexed_dataset import MegatronIndexedDataset
+from te_npu.training.data.megatron.indexed_dataset import MegatronIndexedDataset
 
 datasets = pytest.importorskip("datasets", reason="data.kind hf reads with `datasets` (the test extra installs it)")
 tokenizers = pytest.importorskip("tokenizers", reason="the test trains a local tokenizer with `tokenizers`")

@@ -12,7 +12,7 @@ import pytest
 
 from te_npu.training.config import DataConfig
 from te_npu.training.data import build_splits
-from te_npu.training.data.index_cache import StaleIndexCache
+from te_npu.training.data.megatron.index_cache import StaleIndexCache
 from te_npu.training.data.sampling import make_batcher
 from tests.system.megatron_files import random_documents, write_megatron
 
@@ -117,7 +117,7 @@ def test_stale_index_cache_refused_where_it_may_not_be_rebuilt(tmp_path, docs):
 def test_stale_index_cache_refused_in_a_read_only_folder(tmp_path, docs, monkeypatch):
     import errno
 
-    from te_npu.training.data.index_cache import IndexCache
+    from te_npu.training.data.megatron.index_cache import IndexCache
 
     prefix = write_megatron(tmp_path / "d", docs)
     _split(prefix, tmp_path / "cache").samples(SEQ, SEED, N)

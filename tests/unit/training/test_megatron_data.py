@@ -8,7 +8,7 @@ from te_npu import ConfigError
 from te_npu.training.data import token_dataset
 from te_npu.training.config import DataConfig, load_config
 from te_npu.training.data import build_splits, check_token_ids
-from te_npu.training.data.indexed_dataset import IndexFormatError, MegatronIndexedDataset, write_indexed_dataset
+from te_npu.training.data.megatron.indexed_dataset import IndexFormatError, MegatronIndexedDataset, write_indexed_dataset
 from te_npu.training.data.sampling import make_batcher
 from tests.system.megatron_files import MEGATRON_CODES, random_documents, write_megatron
 

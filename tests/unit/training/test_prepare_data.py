@@ -58,7 +58,7 @@ def test_prepare_data_no_match_fails(tmp_path, load_script):
 
 
 def test_prepare_data_megatron_format_is_one_document_per_file(tmp_path, corpus, load_script):
-    from te_npu.training.data.indexed_dataset import MegatronIndexedDataset
+    from te_npu.training.data.megatron.indexed_dataset import MegatronIndexedDataset
 
     prepare = load_script("prepare_data")
     out = tmp_path / "out" / "m"

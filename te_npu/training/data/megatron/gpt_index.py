@@ -28,7 +28,7 @@ The rules, each the same arithmetic as Megatron-core's (``megatron/core/datasets
 Global sample ``i`` of a split is then the ``S + 1`` tokens between sample-index rows
 ``shuffle[i]`` and ``shuffle[i] + 1``: Megatron's ``GPTDataset[i]``.
 
-Cache: ``te_npu.training.data.index_cache.IndexCache`` (``<cache_dir>/megatron_indices``, as
+Cache: ``te_npu.training.data.megatron.index_cache.IndexCache`` (``<cache_dir>/megatron_indices``, as
 Megatron's ``--data-cache-path``), which also records the sequence lengths the indices were
 built from and each file's checksum, and rebuilds (saying so) or refuses a cache that does not
 match.

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from te_npu.training.data.blend import blending_indices, normalize_weights
-from te_npu.training.data.gpt_index import blend_sizes, build_gpt_indices, separate_final_epoch
-from te_npu.training.data.index_cache import IndexCache
-from te_npu.training.data.indexed_dataset import MegatronIndexedDataset
+from te_npu.training.data.megatron.gpt_index import blend_sizes, build_gpt_indices, separate_final_epoch
+from te_npu.training.data.megatron.index_cache import IndexCache
+from te_npu.training.data.megatron.indexed_dataset import MegatronIndexedDataset
 from te_npu.training.data.token_dataset import TokenDataset, describe_invalid_id, first_invalid_id, split_windows
 
 __all__ = ["GPTSource", "MegatronSplit", "GPTSamples", "BlendedSamples", "MegatronBatcher",
