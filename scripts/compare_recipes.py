@@ -267,7 +267,7 @@ def plot(out_png: Path, runs: dict, summaries: dict, profiles: dict, title: str)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.bar(names, [100 - b for b in bottom], bottom=bottom, color="lightgrey", label="other + not in an op")
     ax.tick_params(axis="x", labelrotation=20)
-    ax.set_title("time shares (te_npu.testing.time_shares), % of profiled step wall time, mean of ranks")
+    ax.set_title("time shares: % of profiled step wall time, mean of ranks")
     ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -325,9 +325,12 @@ def _mtp_section(runs: dict, summaries: dict, run: str = "mxfp8_mtp", base: str 
     depths = sorted(k for k in (train[-1] if train else {}) if k.startswith("mtp_") and k.endswith("_loss"))
     if not depths:
         return []
+    config = next((r["config"] for r in runs[run] if r.get("kind") == "config"), {})
+    weights = ", ".join(f"{k} {v}" for k, v in config.get("model", {}).get("mtp", {}).items()) or "?"
     lines = ["", f"## Multi-token prediction: {run} against {base}", "",
              f"`{run}` runs `{recipe_file(run).relative_to(REPO)}`: the `{base}` recipe plus "
-             f"`model.overrides.num_nextn_predict_layers` = {len(depths)} and its `model.mtp` loss weights; same "
+             f"`model.overrides.num_nextn_predict_layers` = {len(depths)} and the MTP loss weight (`model.mtp`: "
+             f"{weights}; docs/pretraining.md#multi-token-prediction); same "
              "seed, data and batch order. Validation `lm loss` is the main next-token loss alone, so it reads beside "
              f"the D = 0 run; `mtp k loss` is depth k's (it predicts `t[i + 1 + k]` from `t[<= i + k]`, knowing k "
              "tokens more than the main head, so it sits below the main loss once trained).", "",
