@@ -350,7 +350,7 @@ def _mtp_section(runs: dict, summaries: dict, run: str = "mxfp8_mtp", base: str 
               + f"; `lm loss` {_mean(first, 'lm_loss'):.2f} -> {_mean(last, 'lm_loss'):.4f} "
               f"({base}: {_mean(base_last, 'lm_loss'):.4f}). Step time {summaries[run]['step_ms']:.0f} ms against "
               f"{summaries[base]['step_ms']:.0f} ms without MTP (the same shared machine; MTP's FLOPs: "
-              "`models/deepseek_v3/flops.py`, one more MoE layer, `eh_proj` and a second head).", ""]
+              "`models/deepseek_v3/flops.py`, one more MoE layer, `eh_proj` and a second head)."]
     return lines
 
 
