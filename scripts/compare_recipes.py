@@ -1,6 +1,6 @@
 """Compare the BF16 / MXFP8 / HiF8 tiny DeepSeek-V3 recipes on the same data and seed.
 
-    python scripts/compare_recipes.py --steps 200 --out runs/compare_recipes \\
+    python scripts/compare_recipes.py --steps 300 --eval-interval 50 --out runs/compare_recipes \\
         --report-md docs/compare_recipes.md --report-png docs/compare_recipes.png
 
 For each recipe (``recipes/dsv3_tiny_<x>.yaml``):
@@ -12,26 +12,27 @@ For each recipe (``recipes/dsv3_tiny_<x>.yaml``):
    Curves, validation loss, tokens/s, step time and peak memory come from its ``metrics.jsonl``.
 2. **Profiling** (a separate short run, same config): this script re-launched under
    ``torch.distributed.run`` with ``--profile-worker`` builds the production ``Trainer``, runs
-   ``--profile-warmup`` steps, then ``--profile-steps`` steps under ``torch.profiler`` (CPU).
-   The emulation backend's entry points (``te_npu.ops.emulation``: quantize / matmul /
-   grouped_matmul) are wrapped in ``record_function`` ranges for the run, so the profile can
-   attribute time to quantization and to 8-bit GEMMs; high-precision matmuls (BF16 TE modules,
-   lm_head, router) count as GEMM; ``c10d::`` / ``gloo:`` ops as collectives (all-gather,
-   reduce-scatter, all-reduce). The trainer's ``te_npu.events`` (a subscriber passed as
-   ``Trainer(..., subscribers=...)``) give the counts per profiled step: 8-bit GEMMs,
+   ``--profile-warmup`` steps, then ``--profile-steps`` steps through
+   ``te_npu.testing.step_profile.profile_steps`` (torch.profiler; te_npu's own ``te_npu::quantize``
+   / ``te_npu::gemm`` ranges and FSDP2's ranges) and reports ``te_npu.testing.time_shares``: the one
+   definition of time shares, the acceptance report's (quant / MM-GMM / all-gather /
+   reduce-scatter / other, each op's self time in the innermost labelled range around it; see
+   docs/benchmarks-and-reports.md), mean of the ranks. The trainer's ``te_npu.events`` (a subscriber
+   passed as ``Trainer(..., subscribers=...)``) give the counts per profiled step: 8-bit GEMMs,
    quantizations, all-gathers of quantized weights and their bytes, weight refreshes.
+3. **Routing** of held-out text by each run's final checkpoint (``scripts/routing_report.py``).
 
-Then it writes a Markdown report and a PNG (loss curves train + val, throughput, time shares).
+Then it writes a Markdown report and a PNG (loss curves train + val, throughput, time shares); with
+``mxfp8_mtp`` and ``mxfp8`` both run, a section on multi-token prediction.
 
 Everything here runs on CPU: MXFP8 and HiF8 GEMMs and quantizations are *emulated* (exact
 decode + FP32 matmul), so they are slower than BF16 by construction; the throughput numbers
-measure the emulation, not Ascend kernels (spec 17.4's performance criteria need A5 hardware).
+measure the emulation, not Ascend kernels (the acceptance's performance criteria, Q3-11 in
+docs/a5.md, need A5 hardware).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import math
 import os
@@ -41,14 +42,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ("bf16", "mxfp8", "hif8", "mxfp8_floor", "mxfp8_no_balance")
+RECIPES = ("bf16", "mxfp8", "hif8", "mxfp8_floor", "mxfp8_no_balance", "mxfp8_mtp")
 # run name -> (recipe file stem, extra overrides): mxfp8 is the default (round-up, scale_alg: ceil)
 # scale rule; mxfp8_floor the same recipe with the OCP floor rule chosen explicitly;
-# mxfp8_no_balance the same recipe with DeepSeek-V3's expert balancing switched off
+# mxfp8_no_balance the same recipe with DeepSeek-V3's expert balancing switched off; mxfp8_mtp is its
+# own recipe file (dsv3_tiny_mxfp8_mtp.yaml: mxfp8 plus one multi-token-prediction layer)
 VARIANTS = {"mxfp8_floor": ("mxfp8", ["low_precision.scale_alg=floor"]),
             "mxfp8_no_balance": ("mxfp8", ["model.load_balance.bias_update_rate=0",
                                            "model.load_balance.seq_aux_loss_coeff=0"])}
 DEFAULT_MODEL_OVERRIDES = ""
+SHARE_NAMES = {"quant": "quant", "mm_gmm": "MM-GMM", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+               "other": "other"}
+"""Column names of ``te_npu.testing.time_shares.CATEGORIES`` (the acceptance report's names)."""
 ACCEPT_GAP = 0.05  # the issue's acceptance: final validation loss within 5% of BF16
 
 
@@ -110,85 +115,6 @@ def free_port() -> int:
 # profiling worker (runs inside torch.distributed.run)
 # ---------------------------------------------------------------------------------------------
 
-CATEGORIES = ("quant", "gemm_8bit", "gemm_hp", "all_gather", "reduce_scatter", "all_reduce", "other_collective")
-_HP_GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "aten::_grouped_mm"}
-_QUANT_FNS = ("mxfp8_quantize", "mxfp8_quantize_dual", "mxfp8_quantize_grouped", "hif8_quantize",
-              "hif8_quantize_with_scale")
-_GEMM_FNS = ("matmul", "grouped_matmul")
-
-
-@contextlib.contextmanager
-def labelled_emulation():
-    """Wrap the emulation backend's entry points in ``record_function`` ranges (restored after)."""
-    import torch
-    from te_npu.ops import emulation
-
-    saved = {}
-
-    def wrap(name, label):
-        fn = getattr(emulation, name)
-        saved[name] = fn
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            with torch.profiler.record_function(label):
-                return fn(*args, **kwargs)
-
-        setattr(emulation, name, call)
-
-    for name in _QUANT_FNS:
-        wrap(name, f"te_npu::quant::{name}")
-    for name in _GEMM_FNS:
-        wrap(name, f"te_npu::gemm::{name}")
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(emulation, name, fn)
-
-
-def categorize(name: str) -> str | None:
-    if name.startswith("te_npu::quant::"):
-        return "quant"
-    if name.startswith("te_npu::gemm::"):
-        return "gemm_8bit"
-    if name in _HP_GEMM_OPS:
-        return "gemm_hp"
-    lowered = name.lower()
-    if lowered.startswith(("c10d::", "gloo:", "nccl:", "hccl:")):
-        if "allgather" in lowered or "all_gather" in lowered:
-            return "all_gather"
-        if "reduce_scatter" in lowered:
-            return "reduce_scatter"
-        if "allreduce" in lowered or "all_reduce" in lowered:
-            return "all_reduce"
-        return "other_collective"
-    return None
-
-
-def attribute_times(events) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds per category on the training thread, each event counted under its outermost
-    categorized ancestor only (so the matmuls inside an emulated 8-bit GEMM count once); and,
-    separately, the busy time of gloo's worker threads per collective (it may overlap compute)."""
-    events = list(events)
-    threads = [e.thread for e in events if e.name.startswith("Optimizer.step")]
-    main_thread = max(set(threads), key=threads.count) if threads else None
-    totals, worker = dict.fromkeys(CATEGORIES, 0.0), dict.fromkeys(CATEGORIES, 0.0)
-    for event in events:
-        category = categorize(event.name)
-        if category is None:
-            continue
-        parent, nested = event.cpu_parent, False
-        while parent is not None:
-            if categorize(parent.name) is not None:
-                nested = True
-                break
-            parent = parent.cpu_parent
-        if not nested:
-            (totals if event.thread == main_thread else worker)[category] += event.cpu_time_total / 1e6
-    return totals, worker
-
-
 class EventCounts:
     """A ``te_npu.events`` subscriber counting, per optimizer step, what the step did."""
 
@@ -210,10 +136,14 @@ class EventCounts:
 
 
 def profile_worker(args) -> int:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    """One rank of the profiling run: the production ``Trainer``, ``--profile-warmup`` steps, then
+    ``--profile-steps`` steps through ``te_npu.testing.step_profile.profile_steps`` (the acceptance
+    report's profiler and time shares); writes ``<profile-dir>/profile_rank<r>.json`` and the rank's
+    trace and table under ``<profile-dir>/rank<r>/``."""
+    import dataclasses
 
     from models.deepseek_v3.pretrain import DeepseekV3Task
+    from te_npu.testing.step_profile import profile_steps
     from te_npu.training.config import load_config
     from te_npu.training.trainer import Trainer
 
@@ -226,17 +156,12 @@ def profile_worker(args) -> int:
     trainer = Trainer(DeepseekV3Task(), print_fn=lambda *_: None, subscribers=[counts])
     try:
         trainer.setup(cfg)
-        with labelled_emulation():
-            for _ in range(args.profile_warmup):
-                trainer.train_step()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                start = time.perf_counter()
-                records = [trainer.train_step() for _ in range(args.profile_steps)]
-                wall = time.perf_counter() - start
-        totals, worker = attribute_times(prof.events())
-        top = sorted(((e.key, e.cpu_time_total / 1e6) for e in prof.key_averages()), key=lambda kv: -kv[1])[:40]
-        result = {"rank": trainer.rank, "wall_s": wall, "steps": args.profile_steps, "seconds": totals, "worker_seconds": worker,
-                  "step_ms": [r.elapsed_ms for r in records], "top_ops": top,
+        for _ in range(args.profile_warmup):
+            trainer.train_step()
+        records: list[dict] = []
+        profile = profile_steps(lambda: records.append(dataclasses.asdict(trainer.train_step())), args.profile_steps,
+                                run_dir / f"rank{trainer.rank}")
+        result = {"rank": trainer.rank, **profile, "step_ms": [r["elapsed_ms"] for r in records],
                   "events_per_step": [dict(c) for c in counts.steps[args.profile_warmup:]]}
         (run_dir / f"profile_rank{trainer.rank}.json").write_text(json.dumps(result, indent=1))
     finally:
@@ -270,15 +195,14 @@ def summarize(records: list[dict], skip: int) -> dict:
 
 
 def read_profile(run_dir: Path) -> dict | None:
-    files = sorted(run_dir.glob("profile_rank*.json"))
-    if not files:
+    """The profiling run's time shares, mean over its ranks (``te_npu.testing.time_shares.mean_over_ranks``);
+    None when it left no ``profile_rank*.json`` of the current layout (one with ``shares``)."""
+    from te_npu.testing.time_shares import mean_over_ranks
+
+    ranks = [json.loads(f.read_text()) for f in sorted(run_dir.glob("profile_rank*.json"))]
+    if not ranks or any("shares" not in r for r in ranks):
         return None
-    ranks = [json.loads(f.read_text()) for f in files]
-    wall = sum(r["wall_s"] for r in ranks) / len(ranks)
-    seconds = {c: sum(r["seconds"][c] for r in ranks) / len(ranks) for c in CATEGORIES}
-    worker = {c: sum(r["worker_seconds"][c] for r in ranks) / len(ranks) for c in CATEGORIES}
-    return {"wall_s": wall, "steps": ranks[0]["steps"], "seconds": seconds, "worker_shares": {c: worker[c] / wall for c in CATEGORIES},
-            "shares": {c: seconds[c] / wall for c in CATEGORIES}, "ranks": len(ranks)}
+    return {**mean_over_ranks([r["shares"] for r in ranks], ranks[0]["steps"]), "ranks": len(ranks)}
 
 
 def plot(out_png: Path, runs: dict, summaries: dict, profiles: dict, title: str) -> None:
@@ -331,19 +255,19 @@ def plot(out_png: Path, runs: dict, summaries: dict, profiles: dict, title: str)
     ax.legend(fontsize=8)
 
     ax = axes[1, 1]
+    from te_npu.testing.time_shares import CATEGORIES
+
     names = [n for n in runs if profiles.get(n)]
-    labels = {"quant": "quantize", "gemm_8bit": "8-bit GEMM (emulated)", "gemm_hp": "high-precision matmul",
-              "all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
-              "other_collective": "other collectives"}
     bottom = [0.0] * len(names)
     for category in CATEGORIES:
-        values = [100 * profiles[n]["shares"][category] for n in names]
-        if not any(values):
+        values = [profiles[n]["percent"][category] for n in names]
+        if category == "other" or not any(values):
             continue
-        ax.bar(names, values, bottom=bottom, label=labels[category])
+        ax.bar(names, values, bottom=bottom, label=SHARE_NAMES[category])
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.bar(names, [100 - b for b in bottom], bottom=bottom, color="lightgrey", label="everything else")
-    ax.set_title("share of profiled step time (%), torch.profiler, mean of ranks")
+    ax.bar(names, [100 - b for b in bottom], bottom=bottom, color="lightgrey", label="other + not in an op")
+    ax.tick_params(axis="x", labelrotation=20)
+    ax.set_title("time shares: % of profiled step wall time, mean of ranks")
     ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -387,6 +311,87 @@ def _routing_table(routing: dict, cfg_dict: dict) -> list[str]:
     return lines + [""]
 
 
+def _mean(records: list[dict], key: str) -> float:
+    return sum(float(r[key]) for r in records) / len(records)
+
+
+def _mtp_section(runs: dict, summaries: dict, run: str = "mxfp8_mtp", base: str = "mxfp8") -> list[str]:
+    """The MTP run against the same recipe without MTP: validation ``lm_loss`` (the main next-token loss
+    alone, comparable across D) and the MTP depths' losses at every evaluation, their training means."""
+    if run not in runs or base not in runs:
+        return []
+    val = {n: {r["step"]: r for r in runs[n] if r.get("kind") == "val"} for n in (run, base)}
+    train = [r for r in runs[run] if r.get("kind") == "train"]
+    depths = sorted(k for k in (train[-1] if train else {}) if k.startswith("mtp_") and k.endswith("_loss"))
+    if not depths:
+        return []
+    config = next((r["config"] for r in runs[run] if r.get("kind") == "config"), {})
+    weights = ", ".join(f"{k} {v}" for k, v in config.get("model", {}).get("mtp", {}).items()) or "?"
+    lines = ["", f"## Multi-token prediction: {run} against {base}", "",
+             f"`{run}` runs `{recipe_file(run).relative_to(REPO)}`: the `{base}` recipe plus "
+             f"`model.overrides.num_nextn_predict_layers` = {len(depths)} and the MTP loss weight (`model.mtp`: "
+             f"{weights}; docs/pretraining.md#multi-token-prediction); same "
+             "seed, data and batch order. Validation `lm loss` is the main next-token loss alone, so it reads beside "
+             f"the D = 0 run; `mtp k loss` is depth k's (it predicts `t[i + 1 + k]` from `t[<= i + k]`, knowing k "
+             "tokens more than the main head, so it sits below the main loss once trained).", "",
+             f"| step | {base} val lm loss | {run} val lm loss | {run} vs {base} | "
+             + " | ".join(f"{run} val {d.replace('_', ' ')}" for d in depths) + " |",
+             "|---|---|---|---|" + "---|" * len(depths)]
+    for step, r in sorted(val[run].items()):
+        b = val[base].get(step)
+        ref = f"{float(b['lm_loss']):.4f}" if b else "—"
+        gap = f"{pct((float(r['lm_loss']) - float(b['lm_loss'])) / float(b['lm_loss']))}" if b else "—"
+        lines.append(f"| {step} | {ref} | {float(r['lm_loss']):.4f} | {gap} | "
+                     + " | ".join(f"{float(r[d]):.4f}" if d in r else "—" for d in depths) + " |")
+    first, last = train[:10], train[-10:]
+    base_last = [r for r in runs[base] if r.get("kind") == "train"][-10:]
+    lines += ["", "Training, mean of the first and last 10 steps: "
+              + "; ".join(f"`{d.replace('_', ' ')}` {_mean(first, d):.2f} -> {_mean(last, d):.2f}" for d in depths)
+              + f"; `lm loss` {_mean(first, 'lm_loss'):.2f} -> {_mean(last, 'lm_loss'):.4f} "
+              f"({base}: {_mean(base_last, 'lm_loss'):.4f}). Step time {summaries[run]['step_ms']:.0f} ms against "
+              f"{summaries[base]['step_ms']:.0f} ms without MTP (the same shared machine; MTP's FLOPs: "
+              "`models/deepseek_v3/flops.py`, one more MoE layer, `eh_proj` and a second head)."]
+    return lines
+
+
+def _time_shares_table(args, summaries: dict, profiles: dict) -> list[str]:
+    """The time shares section: ``te_npu.testing.time_shares`` of each recipe's profiling run, mean of
+    its ranks, under the acceptance report's rule and column names."""
+    from te_npu.testing.time_shares import CATEGORIES
+
+    lines = [
+        "## Time shares (te_npu.testing.time_shares)",
+        "",
+        f"A separate run per recipe (same config): {args.profile_warmup} warm-up steps, then {args.profile_steps} "
+        "steps profiled by `te_npu.testing.step_profile` (torch.profiler, CPU activities), the acceptance report's "
+        "profiler and rule (docs/benchmarks-and-reports.md): each op's self time counts once, in the innermost "
+        "labelled range around it (`te_npu::quantize` -> quant, `te_npu::gemm` -> MM-GMM, FSDP2's "
+        "`FSDP::all_gather*` -> all-gather, `FSDP::post_backward_reduce` / `_rs_wait` -> reduce-scatter); outside "
+        "every range aten GEMMs (`mm`, `addmm`, `matmul`, `linear`, `_grouped_mm`: the BF16 TE modules, lm_head, "
+        "router) count as MM-GMM, core attention does not; everything else (optimizer, norms, all-reduces of "
+        "grad norm / HiF8 amax / loss, ...) is other. A cell reads percent of the profiled step wall time (ms per "
+        "step), mean of the 2 ranks; *not in an op*: wall time no op covers (Python between ops). Host self time "
+        "of the CPU emulation: **emulation numbers**. With gloo on 2 busy cores the collectives also absorb "
+        "waiting for the slower rank. The last column is the busy time of gloo's own worker threads (the "
+        "transfers; `comm_threads_ms`), not counted in the other columns: the step's thread waits for them "
+        "inside the FSDP ranges. Profiler overhead inflates everything a little.",
+        "",
+        "| recipe | profiled ms/step | " + " | ".join(SHARE_NAMES[c] for c in CATEGORIES)
+        + " | not in an op | collective threads (not counted) |",
+        "|---|---|" + "---|" * (len(CATEGORIES) + 2),
+    ]
+    for name in summaries:
+        p = profiles.get(name)
+        if not p:
+            lines.append(f"| {name} | (not profiled) |" + " |" * (len(CATEGORIES) + 2))
+            continue
+        cells = [f"{p['percent'][c]:.1f}% ({p['ms_per_step'][c]:.0f})" for c in CATEGORIES]
+        threads = ", ".join(f"{n} {v:.1f}%" for n, v in p["comm_threads_percent"].items()) or "-"
+        lines.append(f"| {name} | {p['wall_ms_per_step']:.0f} | " + " | ".join(cells)
+                     + f" | {p['unattributed_percent']:.1f}% | {threads} |")
+    return lines
+
+
 def _wall(walls: dict, name: str) -> str:
     w = walls.get(name)
     if not isinstance(w, dict):
@@ -410,8 +415,8 @@ def write_report(args, out_md: Path, out_png: Path, runs: dict, summaries: dict,
         "**Everything below is CPU emulation.** MXFP8 / HiF8 quantization and GEMMs run in "
         "`te_npu.ops.emulation` (bit-exact decode, FP32 matmul); 2 gloo ranks on a 2-core CPU "
         "shared with other jobs. Loss numbers are the numerics of the formats; time, throughput and "
-        "memory numbers describe the emulation, not Ascend A5 kernels, so spec 17.4's performance "
-        "criteria (Q3-11) cannot be judged here.",
+        "memory numbers describe the emulation, not Ascend A5 kernels, so the acceptance's performance "
+        "criteria (Q3-11, docs/a5.md) cannot be judged here.",
         "",
         "## Setup",
         "",
@@ -419,7 +424,8 @@ def write_report(args, out_md: Path, out_png: Path, runs: dict, summaries: dict,
         f"launched with `python -m torch.distributed.run --nproc_per_node 2 -m models.deepseek_v3.pretrain`. "
         "`mxfp8` computes E8M0 scales with the default round-up rule (`low_precision.scale_alg: ceil`); "
         "`mxfp8_floor` is the same recipe with `low_precision.scale_alg=floor` (the OCP rule, te_npu's "
-        "default before issue 26).",
+        "default before issue 26); `mxfp8_mtp` is `recipes/dsv3_tiny_mxfp8_mtp.yaml` (mxfp8 plus one "
+        "multi-token-prediction layer; its own section below).",
         f"- Overrides for every recipe: `{' '.join(run_overrides(args, 'x', Path('<out>/<recipe>'), args.steps, eval_interval=args.eval_interval))}`.",
         f"- Model: `dsv3_tiny` preset + `model.overrides={args.model_overrides or '{}'}` "
         f"({cfg_dict['model']['overrides']}).",
@@ -463,7 +469,8 @@ def write_report(args, out_md: Path, out_png: Path, runs: dict, summaries: dict,
         "",
     ]
     if base:
-        lines += ["Spec 17.4 ratios (emulation, informative only):", "",
+        lines += ["Throughput and step-time ratios against BF16 (Q3-11's, docs/a5.md; emulation, informative only):",
+                  "",
                   "| recipe | throughput_ratio (>= 1.0 on A5) | step_time_ratio (<= 1.0 on A5) |", "|---|---|---|"]
         for name, s in summaries.items():
             if name != "bf16":
@@ -487,34 +494,9 @@ def write_report(args, out_md: Path, out_png: Path, runs: dict, summaries: dict,
         lines += _gap_by_step(runs)
     lines += [
         *_routing_table(routing or {}, cfg_dict),
-        "## Time shares (torch.profiler)",
-        "",
-        f"A separate run per recipe (same config), {args.profile_warmup} warm-up steps, then {args.profile_steps} "
-        "steps under `torch.profiler` (CPU activities). Shares are of the profiled wall time, mean of the 2 ranks. "
-        "Quantize = the emulation backend's quantize entry points; 8-bit GEMM = its `matmul` / `grouped_matmul` "
-        "(decode + FP32 matmul); high-precision matmul = `aten::mm/bmm/addmm/matmul/linear` outside those ranges "
-        "(the baseline's TE modules, lm_head, router; core attention's SDPA is not counted); collectives = `c10d::` ops on the "
-        "training thread (all-gather = FSDP weight gathers, reduce-scatter = FSDP gradient reduction, all-reduce = "
-        "grad norm / HiF8 amax / loss); with gloo on 2 busy cores they also absorb waiting for the slower rank. "
-        "The last column is the busy time of gloo's own worker threads (the transfers themselves; they can "
-        "overlap compute, so it is not part of the other shares). Profiler overhead inflates everything a little.",
-        "",
-        "| recipe | profiled ms/step | quantize | 8-bit GEMM | HP matmul | all-gather | reduce-scatter | all-reduce | "
-        "other coll. | gloo worker: all-gather / all-reduce |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in summaries:
-        p = profiles.get(name)
-        if not p:
-            lines.append(f"| {name} | (not profiled) ||||||||")
-            continue
-        sh = p["shares"]
-        lines.append(
-            f"| {name} | {1000 * p['wall_s'] / p['steps']:.0f} | {100 * sh['quant']:.1f}% | {100 * sh['gemm_8bit']:.1f}% | "
-            f"{100 * sh['gemm_hp']:.1f}% | {100 * sh['all_gather']:.1f}% | {100 * sh['reduce_scatter']:.1f}% | "
-            f"{100 * sh['all_reduce']:.1f}% | {100 * sh['other_collective']:.1f}% | "
-            f"{100 * p['worker_shares']['all_gather']:.1f}% / {100 * p['worker_shares']['all_reduce']:.1f}% |"
-        )
+    lines += _time_shares_table(args, summaries, profiles)
+    lines += _mtp_section(runs, summaries)
     lines += [
         "",
         "## Plot",
@@ -524,7 +506,7 @@ def write_report(args, out_md: Path, out_png: Path, runs: dict, summaries: dict,
         "## What this does not measure",
         "",
         "- NPU kernel speed, HBM traffic, and device memory (emulation on CPU; Q3-11 needs A5).",
-        "- The 16B model (this is the tiny preset; spec 17.1 forbids substituting it for acceptance).",
+        "- The 16B model (this is the tiny preset; the acceptance runs the 16B model, docs/a5.md).",
         "- Statistical spread: one seed per recipe; the gaps include run-to-run noise of a single seed.",
         "- Reshard / recompute switches (all runs: `reshard_after_forward: true`, recompute off).",
         "",

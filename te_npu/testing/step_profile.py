@@ -1,4 +1,4 @@
-"""Profile a few training steps and say where their time went (spec section 17.4's time shares).
+"""Profile a few training steps and say where their time went (``te_npu.testing.time_shares``).
 
 ``profile_steps(step, steps, out_dir, npu=...)`` runs ``step()`` ``steps`` times under a
 profiler, writes the evidence into ``out_dir`` and returns the shares

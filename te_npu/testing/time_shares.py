@@ -1,4 +1,8 @@
-"""Time shares of a profiled step (spec section 17.4): quant / MM-GMM / all-gather / reduce-scatter / other.
+"""Time shares of profiled steps: quant / MM-GMM / all-gather / reduce-scatter / other.
+
+The one definition of time shares in te_npu: the acceptance report (``scripts/q3_acceptance.py``)
+and the recipe comparison (``scripts/compare_recipes.py``) both profile steps with
+``te_npu.testing.step_profile`` and publish these numbers (docs/benchmarks-and-reports.md, docs/a5.md).
 
 ``time_shares(spans, wall_us)`` is a pure function of a profile's spans (``Span``: a named
 interval on a track; ``te_npu.testing.trace_spans`` reads them from a profiler's chrome trace).
@@ -53,7 +57,7 @@ from dataclasses import dataclass
 
 from te_npu.ops.profiling import GEMM_RANGE, QUANT_RANGE
 
-__all__ = ["CATEGORIES", "RANGE_RULES", "OP_RULES", "Span", "time_shares", "category_of_name"]
+__all__ = ["CATEGORIES", "RANGE_RULES", "OP_RULES", "Span", "time_shares", "category_of_name", "mean_over_ranks"]
 
 CATEGORIES = ("quant", "mm_gmm", "all_gather", "reduce_scatter", "other")
 
@@ -206,4 +210,27 @@ def time_shares(spans: Sequence[Span], wall_us: float) -> dict:
         "host_ms": {c: to_ms(host[c]) for c in CATEGORIES},
         "comm_threads_ms": {name: to_ms(us) for name, us in comm.most_common()},
         "by_label": {c: [[name, to_ms(us)] for name, us in labels[c].most_common(10)] for c in CATEGORIES if labels[c]},
+    }
+
+
+def mean_over_ranks(per_rank: Sequence[dict], steps: int) -> dict:
+    """The mean over ranks of ``time_shares`` results, each over ``steps`` profiled steps.
+
+    Returns ``{"basis", "steps", "wall_ms_per_step", "percent": {category: %}, "ms_per_step":
+    {category: ms}, "unattributed_percent", "comm_threads_percent": {span name: % of wall}}``; a
+    collective thread's name missing on a rank counts 0 there."""
+    if not per_rank or steps <= 0:
+        raise ValueError(f"mean_over_ranks: need at least one rank and one step, got {len(per_rank)} / {steps}")
+    n = len(per_rank)
+    mean = lambda values: sum(values) / n  # noqa: E731
+    names = sorted({name for s in per_rank for name in s["comm_threads_ms"]})
+    return {
+        "basis": per_rank[0]["basis"],
+        "steps": steps,
+        "wall_ms_per_step": mean(s["wall_ms"] for s in per_rank) / steps,
+        "percent": {c: mean(s["percent"][c] for s in per_rank) for c in CATEGORIES},
+        "ms_per_step": {c: mean(s["ms"][c] for s in per_rank) / steps for c in CATEGORIES},
+        "unattributed_percent": mean(s["unattributed_percent"] for s in per_rank),
+        "comm_threads_percent": {name: mean(100 * s["comm_threads_ms"].get(name, 0.0) / s["wall_ms"] for s in per_rank)
+                                 for name in names},
     }

@@ -1,7 +1,8 @@
-"""Spec 17.4's time shares on a real profile: one rank of the tiny model through the production
-``Trainer``, two steps under ``te_npu.testing.step_profile.profile_steps`` (the profiled job of
-``scripts/q3_acceptance.py``). The 8-bit formats show quant and MM-GMM time under te_npu's own
-ranges; BF16 shows MM-GMM (aten GEMMs) and no quant; the ranges cost nothing unprofiled."""
+"""Time shares (``te_npu.testing.time_shares``) on a real profile: one rank of the tiny model
+through the production ``Trainer``, two steps under ``te_npu.testing.step_profile.profile_steps``
+(the profiled job of ``scripts/q3_acceptance.py`` and of ``scripts/compare_recipes.py``). The
+8-bit formats show quant and MM-GMM time under te_npu's own ranges; BF16 shows MM-GMM (aten
+GEMMs) and no quant; the ranges cost nothing unprofiled."""
 from __future__ import annotations
 
 import json

@@ -133,3 +133,17 @@ def test_a_kineto_cuda_style_trace_links_kernels_through_ac2g_flows():
     kernel = next(s for s in spans if s.device)
     assert spans[kernel.sources[0]].name == "cudaLaunchKernel"  # innermost host span at the flow start
     assert time_shares(spans, 100.0)["ms"]["quant"] == 0.009
+
+
+def test_mean_over_ranks_averages_percent_and_gives_ms_per_step():
+    from te_npu.testing.time_shares import mean_over_ranks
+
+    a = time_shares(STEP, wall_us=100.0)
+    b = time_shares([*STEP, _host("gloo:all_reduce", 0, 20, ("p", 9))], wall_us=200.0)
+    mean = mean_over_ranks([a, b], steps=2)
+    assert mean["percent"]["quant"] == pytest.approx((9.0 + 4.5) / 2)
+    assert mean["ms_per_step"]["mm_gmm"] == pytest.approx(0.025 / 2)
+    assert mean["wall_ms_per_step"] == pytest.approx((0.1 + 0.2) / 2 / 2)
+    assert mean["comm_threads_percent"] == {"gloo:all_reduce": pytest.approx(10.0 / 2)}
+    with pytest.raises(ValueError, match="at least one rank"):
+        mean_over_ranks([], steps=2)
