@@ -272,7 +272,7 @@ class Checkpointer:
     def export_dir(self, step: int) -> str:
         """Where the HF export of ``step`` goes: ``checkpoint.export_dir``, else ``<checkpoint.dir>/hf/step_<N>``."""
         c = self.cfg.checkpoint
-        return c.export_dir or os.path.join(c.dir, "hf", f"step_{step}")
+        return checkpoint_folder.export_dir(c.dir, step, c.export_dir)
 
     # ---- what the loop's health does to the saved steps --------------------------------------
     def confirm_saves(self) -> None:
@@ -297,12 +297,13 @@ class Checkpointer:
             good = [k for k in self._saved if k not in bad]
             head = good[-1] if good else self.resume_step
             if self.rank == 0:
-                checkpoint_folder.set_latest(c.dir, None if head is None else f"step_{head}")
-                checkpoint_folder.set_aside(c.dir, [f"step_{k}" for k in bad], checkpoint_folder.DIVERGED)
+                checkpoint_folder.set_latest(c.dir, None if head is None else checkpoint_folder.step_name(head))
+                checkpoint_folder.set_aside(c.dir, [checkpoint_folder.step_name(k) for k in bad],
+                                            checkpoint_folder.DIVERGED)
             if self.world_size > 1:
                 dist.barrier()  # every rank raises this same error at this step; rank 0 has moved the steps
-            notes.append(f"{', '.join(f'step_{k}' for k in bad)} (saved after the divergence began at iteration "
-                         f"{began}) moved to {os.path.join(c.dir, checkpoint_folder.DIVERGED)}")
+            notes.append(f"{', '.join(checkpoint_folder.step_name(k) for k in bad)} (saved after the divergence "
+                         f"began at iteration {began}) moved to {os.path.join(c.dir, checkpoint_folder.DIVERGED)}")
         if began is not None and self.resume_step is not None and self.resume_step >= began - 1:
             notes.append(f"the step this run resumed from (step_{self.resume_step}) already leads to it: resume "
                          "from an earlier step (checkpoint.load_step=N)")
