@@ -237,6 +237,7 @@ class Trainer:
                 f"{self.world_size} launched rank(s) (the world size)"
             )
         preflight.check_device(cfg.training.device, env.local_rank, env.local_world_size)
+        # the rank and world size the process group will have (the launcher's): the checkpointer's for the run
         self.checkpointer = Checkpointer(cfg, self.task, resume_path=preflight.resume_target(cfg.checkpoint),
                                          rank=self.rank, world_size=self.world_size, print_fn=self._print,
                                          watch=self._watch)
