@@ -23,8 +23,9 @@ from models.deepseek_v3.model import DecoderLayer, DeepseekV3ForCausalLM, TopKRo
 from models.deepseek_v3.model_section import DeepseekV3ModelSection, MTPSection
 from models.deepseek_v3.mtp import mtp_cross_entropy, mtp_loss_name
 from te_npu.training.config import TrainConfig, load_config
-from te_npu.training.job import StopRequest, run_job
+from te_npu.training.job import run_job
 from te_npu.training.metrics.throughput import ModelFlops
+from te_npu.training.runtime import StopRequest
 from te_npu.training.task_step import LossParts, StepEnd, StepReport
 from te_npu.training.trainer import Trainer
 

@@ -1,8 +1,9 @@
 """The generic trainer and its rooms.
 
 At the top: ``trainer`` (the ``Trainer``: the build order and the step loop) and
-``trainer_storage`` (its on-disk side), ``job`` (the entry point's error path), ``launch`` and
-``launch_report`` (the launcher and its one-line summary), ``mapped_files``, ``config`` /
+``checkpointer`` (the ``Checkpointer`` it holds: its on-disk side), ``job`` (the entry point's
+error path), ``runtime`` (the launch environment and the stop request, below both), ``launch``
+and ``launch_report`` (the launcher and its one-line summary), ``mapped_files``, ``config`` /
 ``schema`` (the YAML sections), ``schedule`` and ``recompute``. The rooms: ``data`` (every data
 kind, blends, splits, samplers, checksums), ``metrics`` (step lines, ``metrics.jsonl``, plots,
 throughput / MFU), ``guards`` (preflight, divergence rules, the stall watch), ``hf`` (Hugging

@@ -35,8 +35,9 @@ Exit codes: 0 done, 1 error, 2 configuration error (before anything was built), 
 by a divergence rule, 4 a stalled or lost rank (or node) ended the job, 128 + signal number when
 interrupted.
 
-This module owns the job's environment reads (``launch_env``) and its only private torch
-touch (``_job_store``).
+The launcher's environment is read by ``te_npu.training.runtime.launch_env``, which also holds the
+``StopRequest`` the signal handlers share with the Trainer; this module's only private torch touch
+is ``_job_store``.
 """
 from __future__ import annotations
 
@@ -50,7 +51,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Callable
 
 import torch.distributed as dist
@@ -58,9 +58,10 @@ import torch.distributed as dist
 from te_npu.compat import default_store
 from te_npu.distributed.storage.disk_space import DiskFullError
 from te_npu.errors import ConfigError, exception_chain
-from te_npu.training import launch_report, mapped_files
+from te_npu.training import launch_report
 from te_npu.training.guards.divergence import TrainingDiverged
-from te_npu.training.guards.stall import EXIT_STALLED, StallWatch
+from te_npu.training.guards.stall import EXIT_STALLED
+from te_npu.training.runtime import LaunchEnv, StopRequest, launch_env
 
 __all__ = [
     "EXIT_OK",
@@ -70,11 +71,8 @@ __all__ = [
     "EXIT_STALLED",
     "SIGNAL_GRACE_S",
     "JobInterrupted",
-    "LaunchEnv",
-    "StopRequest",
     "exit_code_for",
     "is_collective_timeout",
-    "launch_env",
     "lost_a_peer",
     "root_cause",
     "run_job",
@@ -92,45 +90,6 @@ _PR_SET_PDEATHSIG = 1
 _FAILURE_KEY = "te_npu/job_failure"
 
 
-@dataclass(frozen=True)
-class LaunchEnv:
-    """What the launcher told this process (torchrun's variables; defaults for one process)."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    under_torchrun: bool
-    mapped_files_dir: str | None = None
-    """Where the launcher asks ranks to record their memory-mapped files (``te_npu.training.mapped_files``)
-    and leave the line of a lost node (``launch_report.leave_note``)."""
-    node_rank: int = 0
-    """This rank's node (torchrun's ``GROUP_RANK``: the launcher's ``--node_rank``)."""
-    nnodes: int = 1
-    """Nodes of the job (torchrun's ``GROUP_WORLD_SIZE``)."""
-    launcher_pid: int | None = None
-    """The launcher that started this rank (``te_npu.training.launch`` sets ``TE_NPU_LAUNCHER_PID``;
-    None under a plain torchrun: the parent at start-up is taken for it)."""
-
-
-def launch_env() -> LaunchEnv:
-    """Read ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` /
-    ``GROUP_WORLD_SIZE`` / ``TORCHELASTIC_RUN_ID`` / ``TE_NPU_MAPPED_FILES`` / ``TE_NPU_LAUNCHER_PID``."""
-    env = os.environ
-    world = int(env.get("WORLD_SIZE", "1"))
-    return LaunchEnv(
-        rank=int(env.get("RANK", "0")),
-        local_rank=int(env.get("LOCAL_RANK", "0")),
-        world_size=world,
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
-        under_torchrun="TORCHELASTIC_RUN_ID" in env,
-        mapped_files_dir=env.get(mapped_files.ENV) or None,
-        node_rank=int(env.get("GROUP_RANK", "0")),
-        nnodes=int(env.get("GROUP_WORLD_SIZE", "1")),
-        launcher_pid=int(env["TE_NPU_LAUNCHER_PID"]) if env.get("TE_NPU_LAUNCHER_PID", "").isdigit() else None,
-    )
-
-
 class JobInterrupted(BaseException):
     """SIGINT / SIGTERM arrived (a ``BaseException``, like ``KeyboardInterrupt``).
 
@@ -144,22 +103,6 @@ class JobInterrupted(BaseException):
 
     def __str__(self) -> str:
         return f"interrupted by {signal.Signals(self.signum).name}"
-
-
-class StopRequest:
-    """Shared between the signal handler and the trainer's step loop.
-
-    The trainer sets ``graceful`` when it will save on SIGTERM; the handler then sets
-    ``signum`` instead of raising, and the trainer stops at the next step boundary (the
-    flag is combined over ranks with the step's loss, so every rank stops at the same step).
-    ``watch``: the rank's stall watch; the trainer starts it once the process group exists and
-    marks its phases (``run_job`` gives it the job's first-failure report).
-    """
-
-    def __init__(self, watch: StallWatch | None = None) -> None:
-        self.graceful = False
-        self.signum: int | None = None
-        self.watch = watch or StallWatch()
 
 
 def root_cause(exc: BaseException) -> BaseException:

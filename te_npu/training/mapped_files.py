@@ -11,7 +11,7 @@ is printed. So the ranks leave a record and the launcher reads it:
   recorded file whose size changed since (or that is gone), in words; [] if none did.
 
 The folder is the launcher's (``te_npu.training.launch`` passes it as ``TE_NPU_MAPPED_FILES``;
-``te_npu.training.job.launch_env`` reads it). Linux only (``/proc``); elsewhere nothing is recorded.
+``te_npu.training.runtime.launch_env`` reads it). Linux only (``/proc``); elsewhere nothing is recorded.
 """
 from __future__ import annotations
 

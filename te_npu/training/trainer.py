@@ -1,4 +1,4 @@
-"""Trainer: builds a model in the spec's order (section 12.1) and runs Megatron-style steps.
+"""Trainer: builds a model shard-first (the order below) and runs Megatron-style steps.
 
 Model-agnostic: a ``TrainTask`` says how to build, validate, initialise and score one model
 family (DeepSeek-V3's is ``models/deepseek_v3/pretrain.py``). Build order of ``setup``
@@ -28,8 +28,8 @@ masters, refresh every 8-bit shard once).
 
 Read ``Trainer.setup`` (the build order, one named call per step) and ``Trainer.train`` (the
 step loop). The on-disk side -- the folder's lock, the resume check, DCP saves and loads, the HF
-start and export, what a divergence does to the saved steps -- is ``TrainerStorage``
-(``te_npu.training.trainer_storage``), the Trainer's base class.
+start and export, the run's save history and what a divergence does to it -- is the
+``Checkpointer`` the Trainer holds (``te_npu.training.checkpointer``), handed the state to save.
 """
 from __future__ import annotations
 
@@ -50,9 +50,8 @@ from te_npu import events
 from te_npu.recipe import describe_recipe
 from te_npu.distributed import MasterWeightOptimizer, StepResult, layer_units, shard_model
 from te_npu.distributed.sharding import average_replicated_gradients
-from te_npu.distributed.storage.lock import FolderLock
 from te_npu.distributed.mesh import dp_mesh
-from te_npu.compat import default_store, set_process_group_timeout
+from te_npu.compat import default_store, local_tensor, set_process_group_timeout
 from te_npu.errors import ConfigError
 from te_npu.modules import TEModule, assign_fqns
 from te_npu.observer import PrecisionObserver, StepFigures, quantized_weights
@@ -60,19 +59,18 @@ from te_npu.ops import require_low_precision, use_quant_kernel
 from te_npu.ops.capability import capability_waived
 from te_npu.ops.kernels import KernelChoice, QuantKernelUnavailable, choose_quant_kernel
 from te_npu.training import mapped_files
+from te_npu.training.checkpointer import Checkpointer, agree
 from te_npu.training.config import TrainConfig
 from te_npu.training.data import build_splits
 from te_npu.training.guards import preflight
 from te_npu.training.guards.divergence import DivergenceGuard, TrainingDiverged
 from te_npu.training.guards.stall import StallWatch
-from te_npu.training.hf import weights as hf_weights
-from te_npu.training.job import StopRequest, launch_env
 from te_npu.training.metrics.log import MetricsLogger, peak_memory_mb
 from te_npu.training.metrics.throughput import default_peak_tflops, step_throughput
 from te_npu.training.recompute import apply_activation_checkpointing
+from te_npu.training.runtime import StopRequest, launch_env
 from te_npu.training.schedule import lr_at
 from te_npu.training.task_step import LossParts, StepEnd, StepReport, as_loss_parts
-from te_npu.training.trainer_storage import TrainerStorage
 
 __all__ = ["TrainTask", "Trainer", "StepRecord"]
 
@@ -144,13 +142,13 @@ class StepRecord:
     """The precision observer's figures of this step (None: not observed; ``te_npu.observer``)."""
 
 
-class Trainer(TrainerStorage):
+class Trainer:
     """Set up with ``setup(cfg)``, then ``train()`` (or drive ``train_step`` / the pieces yourself)."""
 
     def __init__(self, task: TrainTask, *, print_fn=print, stop: StopRequest | None = None,
                  subscribers: Iterable[Callable[[object], None]] = (),
                  allocation_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
-        """``stop``: the job's ``StopRequest`` (signal handlers set it; see ``te_npu.training.job``).
+        """``stop``: the job's ``StopRequest`` (signal handlers set it; ``te_npu.training.runtime``).
 
         ``allocation_context``: entered around every step of ``setup`` that creates the model's
         tensors (meta build through initial values); the capacity estimator
@@ -171,22 +169,16 @@ class Trainer(TrainerStorage):
         self._observer: PrecisionObserver | None = None  # set by _open_metrics when precision_observer is on
         self.skipped_iterations = 0
         self.grad_norm: float | None = None
-        self.lineage: str | None = None  # the run the checkpoints belong to (kept across resumes)
-        self._parent_step: int | None = None  # the step this run resumed from or last saved (its history)
         self._owns_process_group = False
-        self._lock: FolderLock | None = None
-        self._resume_path: str | None = None
+        self.checkpointer: Checkpointer | None = None  # the on-disk side, built by _preflight
         self._stop_agreed = False
         self._allocation_context = allocation_context or contextlib.nullcontext
         self._watch = stop.watch if stop is not None else StallWatch()  # phases are marked; it runs under run_job
-        self._unconfirmed: list[int] = []  # steps this run saved whose weights no later loss has vouched for yet
-        self._saved: list[int] = []  # every step this run saved, in order
-        self._resume_step: int | None = None  # the step this run resumed from
         self._warmed: set[str] = set()  # "step", "evaluation": run once by this process (warm-up over)
 
     # ---- build: setup's steps, in order ------------------------------------------------------
     def setup(self, cfg: TrainConfig) -> Trainer:
-        """Build everything in the spec's order; resume from the latest DCP checkpoint if asked.
+        """Build everything in the build order; resume from the latest DCP checkpoint if asked.
         The steps, top to bottom, are the build order of the module docstring: checks that need no
         model (config, device, folders, data, the resume step), then meta build -> shard plan ->
         FSDP2 units on meta -> allocate the local shards -> optimizer masters -> initial values
@@ -198,7 +190,7 @@ class Trainer(TrainerStorage):
             self._preflight()  # device, the resume step: checks every rank makes alike, before any process group
             for note in getattr(cfg.model, "notes", tuple)():  # what the task's model section says once
                 self._print_rank0(f" note: {note}")
-            hf_start = self._open_hf_start(cfg)  # the HF checkpoint to start from (checked), or None
+            hf_start = self.checkpointer.open_hf_start()  # the HF checkpoint to start from (checked), or None
             self._init_distributed()
             self._claim_folders()  # rank 0: logging.dir writable, checkpoint.dir locked; every rank agrees
             self._setup_data()  # data headers, token ids vs the model's vocab, the sampler
@@ -216,9 +208,8 @@ class Trainer(TrainerStorage):
                 self._initialize(hf_start)  # DCP resume, HF initial load or random init; then the 8-bit refresh
             self._open_metrics()  # the metrics log, the step line's FLOPs and peak
         except BaseException:
-            if self._lock is not None:
-                self._lock.release(discard=True)
-                self._lock = None
+            if self.checkpointer is not None:
+                self.checkpointer.release(discard=True)
             self.abandon()
             raise
         return self
@@ -246,7 +237,10 @@ class Trainer(TrainerStorage):
                 f"{self.world_size} launched rank(s) (the world size)"
             )
         preflight.check_device(cfg.training.device, env.local_rank, env.local_world_size)
-        self._resume_path = preflight.resume_target(cfg.checkpoint)
+        # the rank and world size the process group will have (the launcher's): the checkpointer's for the run
+        self.checkpointer = Checkpointer(cfg, self.task, resume_path=preflight.resume_target(cfg.checkpoint),
+                                         rank=self.rank, world_size=self.world_size, print_fn=self._print,
+                                         watch=self._watch)
 
     def _init_distributed(self) -> None:
         t, env = self.cfg.training, launch_env()
@@ -275,6 +269,25 @@ class Trainer(TrainerStorage):
         f = self.cfg.fsdp_config
         self.mesh = dp_mesh(self.device.type, replicate=f.dp_replicate_size,
                             shard=f.dp_shard_size) if self.world_size > 1 else None
+
+    def _claim_folders(self) -> None:
+        """Rank 0 (the only writer of logs and of the folder's top level) proves ``logging.dir``
+        writable, locks ``checkpoint.dir`` and completes a save that died after it was published
+        (``Checkpointer.claim_folder``); its ``ConfigError`` is raised on every rank."""
+        error = None
+        if self.rank == 0:
+            try:
+                preflight.check_writable(self.cfg.logging.dir, "logging.dir")
+                self.checkpointer.claim_folder()
+            except ConfigError as exc:
+                error = str(exc)
+        agree(error, self.world_size)
+
+    def _check_resume(self) -> None:
+        """The step to resume verified against its manifest, its data position mapped onto this
+        run, the folder's history settled and the planned saves and export checked
+        (``Checkpointer.check_resume``)."""
+        self.checkpointer.check_resume(self.batcher.position_for, self.recipe)
 
     def _setup_data(self) -> None:
         """The data kind's splits (rank 0 builds a cache first), their token ids against the model's
@@ -322,7 +335,7 @@ class Trainer(TrainerStorage):
             model = self.task.build(cfg, self.dtype)
         self.task.validate(model, cfg)
         if hf_start is not None:
-            hf_weights.check_initial_keys(hf_start, model, self._hf_adapter)  # before any memory is allocated
+            self.checkpointer.check_hf_start_keys(hf_start, model)  # before any memory is allocated
         if self.recipe is not None:
             te_npu.quantize_weights_(model, self.recipe)
         assign_fqns(model)
@@ -390,10 +403,11 @@ class Trainer(TrainerStorage):
         with torch.no_grad():
             for fqn, buffer in model.named_buffers():
                 buffer.copy_(self.task.initial_value(model, fqn, seed=seed))
-        if self._resume_path is not None:
-            self.load_dcp(self._resume_path, verified=True)
+        if self.checkpointer.resume_path is not None:
+            self.load_dcp(self.checkpointer.resume_path, verified=True)
         elif hf_start is not None:
-            self._load_initial_hf(hf_start)
+            with self._kernels():  # re-quantizes the 8-bit weights from the loaded masters
+                self.hf_read_report = self.checkpointer.load_hf_start(hf_start, self.model, self.optimizer)
         else:
             with self._kernels():
                 self.optimizer.initialize_masters_(lambda fqn: self.task.initial_value(model, fqn, seed=seed))
@@ -409,7 +423,7 @@ class Trainer(TrainerStorage):
             jsonl_name=cfg.logging.metrics_jsonl,
             tensorboard=cfg.logging.tensorboard,
             print_fn=self._print,
-            fresh=self._resume_step is None,  # a fresh run in a used logging.dir starts a clean metrics.jsonl
+            fresh=self.checkpointer.resume_step is None,  # a fresh run in a used logging.dir starts a clean metrics.jsonl
         )
         self.logger.log_config(cfg.to_dict())
         flops_of = getattr(self.task, "flops_per_token", None)
@@ -554,6 +568,51 @@ class Trainer(TrainerStorage):
             if multi:
                 set_process_group_timeout(t.collective_timeout_s)
 
+    # ---- saves and loads: the state handed to the checkpointer ---------------------------------
+    def save_dcp(self, directory: str | None = None, *, prune: bool = True) -> str:
+        """Atomic DCP save of this step (``Checkpointer.save``: weights, masters, moments, data
+        position, skipped count, RNG, recipe); returns the step path.
+
+        Refuses (``TrainingDiverged``) to save non-finite masters over the good checkpoints.
+        ``prune``: apply ``checkpoint.keep_last`` now; ``train`` passes False and prunes once a
+        later healthy loss vouches for the saved weights.
+        """
+        self._require_finite_masters()
+        return self.checkpointer.save(self.model, self.optimizer, self.global_step, data=self.batcher.state_dict(),
+                                      skipped_iterations=self.skipped_iterations, recipe=self.recipe,
+                                      directory=directory, prune=prune)
+
+    def load_dcp(self, directory: str | None = None, *, verified: bool = False) -> int:
+        """Restore the latest checkpoint (or a step dir): masters, moments, step, data position,
+        skipped count, RNG; rebuild 8-bit shards. ``verified``: the manifest was checked already."""
+        with self._kernels():  # rebuilds the 8-bit shards from the loaded masters
+            loaded = self.checkpointer.load(self.model, self.optimizer, directory, verified=verified)
+        self.global_step = loaded.step
+        if loaded.data is not None:  # None: a converted step 0 (weights only): data and RNG as a fresh run
+            self.batcher.load_state_dict(loaded.data)
+        self.skipped_iterations = loaded.skipped_iterations
+        self._print_rank0(f" resumed from checkpoint at iteration {self.global_step} ({loaded.path}, consumed samples "
+                          f"{self.batcher.consumed_samples})")
+        return self.global_step
+
+    def save_hf(self, directory: str | None = None) -> str:
+        """Export this step's FP32 masters as a Hugging Face directory (``Checkpointer.save_hf``;
+        default ``checkpoint.export_dir`` or ``<checkpoint.dir>/hf/step_<N>``)."""
+        return self.checkpointer.save_hf(self.model, self.optimizer, self.global_step, directory)
+
+    def _require_finite_masters(self) -> None:
+        bad = [fqn for fqn, m in self.optimizer.masters.items() if not bool(torch.isfinite(local_tensor(m)).all())]
+        count = torch.tensor(float(len(bad)))
+        if self.world_size > 1:
+            count = count.to(self._collective_device())
+            dist.all_reduce(count)
+        if count.item():
+            example = f" (e.g. {bad[0]})" if bad else ""
+            raise TrainingDiverged(
+                f"iteration {self.global_step}: {int(count.item())} FP32 master shard(s) hold NaN/Inf{example}; "
+                f"refusing to save them over the good checkpoints ({self.checkpointer.latest_note()})"
+            )
+
     # ---- loop --------------------------------------------------------------------------------
     def train(self) -> list[StepRecord]:
         """Run until ``training.train_steps``; log, evaluate, checkpoint and plot on the way.
@@ -574,10 +633,10 @@ class Trainer(TrainerStorage):
                                 max_loss_factor=t.max_loss_factor, collapse_steps=t.collapse_steps,
                                 vocab_size=self.vocab_size)
         records, save_due = [], False
-        if self._resume_step is not None:  # resumed: the steps after it are redone, each logged once
+        if self.checkpointer.resume_step is not None:  # resumed: the steps after it are redone, each logged once
             self.logger.resume_at(self.global_step)
         if self.global_step >= t.train_steps:
-            unfinished = self._unfinished_export()
+            unfinished = self.checkpointer.unfinished_export(self.global_step)
             if unfinished is None:
                 self._print_rank0(f" training already complete at iteration {self.global_step}; nothing to do")
             else:  # the export is part of finishing the run: a run that died in it finishes it now
@@ -604,9 +663,9 @@ class Trainer(TrainerStorage):
             try:
                 guard.check(step, record.lm_loss, record.updated, record.grad_norm)
             except TrainingDiverged as exc:
-                raise self._diverged(exc) from None
+                raise self.checkpointer.diverged(exc) from None
             if not guard.suspect:
-                self._confirm_saves()  # this healthy loss vouches for every weight saved before it
+                self.checkpointer.confirm_saves()  # this healthy loss vouches for every weight saved before it
             if self._stop_agreed:  # SIGTERM on some rank, combined over ranks with this step's loss
                 self.save_dcp(prune=False)
                 self._print_rank0(f" stopped on SIGTERM after iteration {step} (checkpoint saved)")
@@ -626,7 +685,7 @@ class Trainer(TrainerStorage):
                     save_due = False
         if records:
             self.save_dcp()
-            self._unconfirmed.clear()
+            self.checkpointer.end_of_run()
             if c.last_save_format == "hf":
                 self.save_hf()
         if self.cfg.logging.plot and self.rank == 0:
@@ -657,9 +716,8 @@ class Trainer(TrainerStorage):
         self._subscriptions = []
         if hasattr(self, "logger"):
             self.logger.close()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        if self.checkpointer is not None:
+            self.checkpointer.release()
 
     # ---- helpers -----------------------------------------------------------------------------
     def _throughput(self, record: StepRecord) -> dict:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from te_npu.compat import default_store
-from te_npu.training.job import StopRequest, run_job
+from te_npu.training.job import run_job
+from te_npu.training.runtime import StopRequest
 
 
 def _stray(store) -> None:

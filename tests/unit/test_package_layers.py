@@ -39,9 +39,9 @@ RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 SUB_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "training": (
         ("data", "metrics", "guards", "schema", "schedule", "recompute", "mapped_files", "task_step"),  # the rooms
-        ("config", "launch_report"),          # the YAML sections (over data, schema); the launcher's summary
+        ("config", "launch_report", "runtime"),  # the YAML sections; the launcher's summary; launch env, stop request
         ("job", "hf", "launch"),              # the entry point; HF start / export / conversion (over config); the launcher
-        ("trainer_storage",),                 # the Trainer's on-disk side
+        ("checkpointer",),                    # the Trainer's on-disk side: a part it holds, not a base class
         ("trainer",),
         ("capacity", "__init__"),             # the estimate runs the Trainer; the package's names
     ),
@@ -180,7 +180,9 @@ def test_the_walk_sees_the_edges_it_checks():
     assert "te_npu.training.metrics.plots" in GRAPH["te_npu.training.trainer"]  # imported inside a method
     assert RANK["modules"] > RANK["functional"] > RANK["tensor"] > RANK["ops"] > RANK["numerics"]
     assert "te_npu.training.data.blend" in GRAPH["te_npu.training.data.megatron.gpt_samples"]  # inside a room
-    assert "te_npu.distributed.storage.folder" in GRAPH["te_npu.training.trainer_storage"]
+    assert "te_npu.distributed.storage.folder" in GRAPH["te_npu.training.checkpointer"]
+    assert "te_npu.training.runtime" in GRAPH["te_npu.training.trainer"]
+    assert "te_npu.training.job" not in GRAPH["te_npu.training.trainer"]  # the runtime sits below both
 
 
 def test_the_checks_reject_an_upward_import_a_sideways_one_and_a_cycle():

@@ -1,4 +1,5 @@
-"""DCP checkpoints of the high-precision view (spec sections 11, 13.6).
+"""DCP checkpoints of the high-precision view: what a step holds, how it is saved and loaded
+(docs/reliability.md tells the folder's rules from the user's side).
 
 Layout of ``dir`` (one sub-directory per step, written atomically; the folder's namespace and
 its rules -- ``latest``, rollback, pruning, what is never touched -- are ``checkpoint_folder``'s)::
@@ -101,8 +102,6 @@ __all__ = [
     "DiskFullError",
 ]
 
-_META = folder.META
-_STEP_DIR = re.compile(r"step_(\d+)")
 _DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
 _EXTRA = re.compile(r"extra_rank(\d+)\.pt")
 _PER_TENSOR_BYTES = 4096  # DCP's per-item framing (a torch.save record per tensor), generously
@@ -132,7 +131,7 @@ def save(
     """
     directory = os.fspath(directory)
     rank, world = process_group.rank(), process_group.world_size()
-    name = f"step_{int(step)}"
+    name = folder.step_name(step)
     final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
     what = f"checkpoint.save of step {int(step)} to {directory}"
     if rank == 0:
@@ -150,7 +149,7 @@ def save(
         dcp.save(state, checkpoint_id=tmp)
         torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
         if rank == 0:
-            _write_json(os.path.join(tmp, _META), {**(meta or {}), "step": int(step), "world_size": world,
+            _write_json(os.path.join(tmp, folder.META), {**(meta or {}), "step": int(step), "world_size": world,
                                                    "lineage": lineage, "parent": parent,
                                                    "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     except BaseException as exc:  # a full disk: anything from OSError to "unexpected pos", in DCP's CheckpointException
@@ -251,7 +250,7 @@ def verify_step(step_dir: str | os.PathLike, *, checksums: bool = True) -> None:
 
 def read_metadata(step_dir: str | os.PathLike):
     """The step's DCP ``Metadata``, read without running code (``checkpoint_metadata``)."""
-    return read_metadata_safely(os.path.join(os.fspath(step_dir), ".metadata"))
+    return read_metadata_safely(os.path.join(os.fspath(step_dir), folder.DCP_METADATA))
 
 
 # ---- state dicts -------------------------------------------------------------------------------
@@ -380,8 +379,8 @@ def _local_nbytes(t: torch.Tensor) -> int:
 
 def _previous_hint(step_dir: str) -> str:
     parent, name = os.path.split(os.path.normpath(step_dir))
-    m = _STEP_DIR.fullmatch(name)
-    previous = previous_complete_step(parent, int(m.group(1))) if m else None
+    step = folder.step_of(name)
+    previous = previous_complete_step(parent, step) if step is not None else None
     if previous is None:
         return "no earlier complete step in the folder"
     return (f"the previous complete step is step_{previous} in {parent} (manifest and sizes check out): "

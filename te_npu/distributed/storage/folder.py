@@ -1,14 +1,26 @@
-"""A checkpoint folder's namespace: the steps it holds, the one ``latest`` names, and the only
-ways te_npu changes them.
+"""A checkpoint folder's namespace: the steps it holds, the one ``latest`` names, who owns what
+is in it, and the only ways te_npu changes them. Every question about a checkpoint folder is
+answered here; the DCP writer (``dcp``), the Trainer's preflight (``resume: auto``), the
+Trainer's checkpointer and the converter ask these functions.
 
     dir/step_{N}/         a complete step (``manifest.json`` is its last file)
     dir/step_{N}.tmp/     a save in progress, or one that died before it was published
     dir/latest            ``step_{N}``: the published step, a plain name inside ``dir``
     dir/abandoned/        this run's steps that a rollback set aside (``roll_back``)
     dir/diverged/         steps saved after a divergence began (``set_aside``)
+    dir/hf/step_{N}/      the run's Hugging Face export of step N (``export_dir``, unless
+                          ``checkpoint.export_dir`` names another place)
     dir/te_npu.lock       the job that owns the folder (``checkpoint_lock``)
 
 The rules, each kept here:
+
+- **What a step folder is.** A step folder holds te_npu's record ``te_npu.json`` and DCP's
+  ``.metadata``; a save writes ``.metadata`` (DCP's last file), then ``te_npu.json``, then the
+  manifest, so a step whose save completed has both (``is_step_dir``: a folder that loads; its
+  manifest is verified on load). A folder holding only one of the two is a step folder whose
+  save did not complete, or was copied in part (``holds_step_files``): never a folder a new run
+  starts in (``resume: auto`` refuses it rather than writing steps inside it), never one that
+  loads. Step folders are named ``step_N`` (``step_name``, ``step_of``).
 
 - **Publication.** A save moves ``latest`` to ``step_N`` once ``step_N.tmp`` is complete (its
   manifest written), and only then renames the directory (``publish``). A job that dies between
@@ -23,9 +35,10 @@ The rules, each kept here:
   step number never meets an old directory, and the old step is kept, not replaced. The
   ``step_N`` directories of a lineage are always one chain of ``parent`` links.
 - **Nothing of another run.** ``latest`` must name a ``step_N`` inside its folder; a save never
-  replaces another lineage's step (``refuse_foreign``); ``prune`` deletes only complete steps on
-  the chain of the step just written, beyond the newest ``keep_last``; ``set_aside`` moves,
-  never deletes.
+  replaces another lineage's step (``refuse_foreign``, and before a run starts ``foreign_steps``);
+  an HF export replaces only an earlier export of its own lineage (``foreign_export``: its
+  ``te_npu_export.json`` names the lineage); ``prune`` deletes only complete steps on the chain of
+  the step just written, beyond the newest ``keep_last``; ``set_aside`` moves, never deletes.
 
 Every function that changes the folder runs on one process (rank 0, holding the lock); the
 readers are pure functions of what is on disk.
@@ -38,18 +51,28 @@ import re
 import shutil
 import uuid
 
+from te_npu.distributed.storage.hf_checkpoint import export_owner
 from te_npu.distributed.storage.manifest import MANIFEST_NAME, ManifestError, fsync_dir, read_manifest, verify_files
 from te_npu.errors import ConfigError
 
 __all__ = [
     "LATEST",
     "META",
+    "DCP_METADATA",
     "ABANDONED",
     "DIVERGED",
     "new_lineage",
     "list_steps",
     "step_info",
     "is_step_dir",
+    "holds_step_files",
+    "step_name",
+    "step_of",
+    "step_names",
+    "held_checkpoints",
+    "foreign_steps",
+    "export_dir",
+    "foreign_export",
     "latest_checkpoint",
     "resolve_latest",
     "pending_step",
@@ -67,6 +90,9 @@ __all__ = [
 
 LATEST = "latest"
 META = "te_npu.json"
+"""te_npu's record of a step: ``step``, ``world_size``, ``lineage``, ``parent``, ``saved``."""
+DCP_METADATA = ".metadata"
+"""DCP's index of a step's tensors (a pickle: read only through ``metadata.SafeFileSystemReader``)."""
 ABANDONED, DIVERGED = "abandoned", "diverged"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP = ".tmp"
@@ -106,7 +132,79 @@ def step_info(step_dir: str | os.PathLike) -> dict:
 
 
 def is_step_dir(path: str | os.PathLike) -> bool:
-    return os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path, ".metadata"))
+    """``path`` is a step folder whose save completed: it holds both ``te_npu.json`` and ``.metadata``
+    (the module doc: what a step folder is)."""
+    return all(os.path.isfile(os.path.join(path, name)) for name in (META, DCP_METADATA))
+
+
+def holds_step_files(path: str | os.PathLike) -> bool:
+    """``path`` is a step folder, complete or not: it holds ``te_npu.json`` or ``.metadata``. A new
+    run never starts in such a folder (``resume: auto`` refuses one that is not ``is_step_dir``)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in (META, DCP_METADATA))
+
+
+def step_name(step: int) -> str:
+    """The folder name of ``step``: ``step_N``."""
+    return f"step_{int(step)}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a ``step_N`` folder name stands for, None for any other name."""
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def step_names(steps: list[int]) -> str:
+    """The newest four of ``steps`` as folder names (``..., step_6, step_8``), for messages."""
+    if not steps:
+        return "no step_N directory"
+    shown = ", ".join(step_name(s) for s in steps[-4:])
+    return ("..., " if len(steps) > 4 else "") + shown
+
+
+def held_checkpoints(directory: str | os.PathLike) -> list[str]:
+    """What of a run ``directory`` holds: its newest four ``step_N`` and ``latest`` (empty: none)."""
+    held = [step_name(s) for s in list_steps(directory)[-4:]]
+    return held + ([LATEST] if os.path.exists(os.path.join(directory, LATEST)) else [])
+
+
+def foreign_steps(directory: str | os.PathLike, steps: list[int], lineage: str | None) -> list[str]:
+    """The ``step_N`` folders among ``steps`` that ``directory`` holds and that are not of
+    ``lineage`` (None: a new run, for which every existing step is another run's; an unreadable
+    ``te_npu.json`` is never this run's)."""
+    foreign = []
+    for step in sorted(set(steps) & set(list_steps(directory))):
+        try:
+            theirs = step_info(os.path.join(directory, step_name(step))).get("lineage")
+        except ConfigError:
+            theirs = "unknown"
+        if lineage is None or theirs != lineage:
+            foreign.append(step_name(step))
+    return foreign
+
+
+def export_dir(directory: str | os.PathLike, step: int, configured: str | None = None) -> str:
+    """Where the HF export of ``step`` goes: ``configured`` (``checkpoint.export_dir``) if set,
+    else ``<directory>/hf/step_N``."""
+    return configured or os.path.join(os.fspath(directory), "hf", step_name(step))
+
+
+def foreign_export(path: str | os.PathLike, lineage: str) -> str | None:
+    """What at ``path`` an HF export of ``lineage`` may not replace, in words; None when it may:
+    ``path`` absent, an empty directory, or an earlier export of this lineage (``te_npu_export.json``
+    names it). Anything else -- an HF checkpoint, a tokenizer, another run's export, a file -- is
+    said with what it holds."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path):
+        return "something that is not a directory"
+    names = sorted(os.listdir(path))
+    owner = export_owner(path)
+    if not names or (owner is not None and owner.get("lineage") == lineage):
+        return None
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    whose = "another run's export" if owner is not None else "files that are not an export of this run"
+    return f"{whose} ({shown})"
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> str:
@@ -138,11 +236,16 @@ def resolve_latest(directory: str | os.PathLike, *, pending: bool = False) -> st
                               f"never written); {steps_hint(directory)}")
         if not is_step_dir(path):
             raise ConfigError(f"{os.path.join(directory, LATEST)} names {name!r}, but {path} is not a te_npu DCP "
-                              f"checkpoint step (no {META} / .metadata in it); {steps_hint(directory)}")
+                              f"checkpoint step (no {META} / {DCP_METADATA} in it); {steps_hint(directory)}")
         return path
+    if holds_step_files(directory):
+        missing = [n for n in (META, DCP_METADATA) if not os.path.isfile(os.path.join(directory, n))]
+        raise ConfigError(f"{directory!r} is an incomplete step folder (no {', '.join(missing)} in it: a save that did "
+                          "not complete, or a partial copy): it neither loads nor takes a new run; point checkpoint.dir "
+                          "at the folder that holds the steps and resume a complete one (checkpoint.load_step=N)")
     steps = list_steps(directory)
     if steps:
-        raise ConfigError(f"{directory!r} holds {_names(steps)} but no 'latest' marker (deleted?): name the step "
+        raise ConfigError(f"{directory!r} holds {step_names(steps)} but no 'latest' marker (deleted?): name the step "
                           f"to load (checkpoint.load_step={steps[-1]} for the newest)")
     raise ConfigError(f"{directory!r} is not a te_npu DCP checkpoint (no 'latest' marker, no step_N directory); "
                       "only DCP checkpoints written by te_npu.distributed.storage.dcp.save load")
@@ -173,7 +276,7 @@ def latest_position(directory: str) -> tuple[str, int | None]:
 def previous_complete_step(directory: str | os.PathLike, before: int) -> int | None:
     """The newest step below ``before`` whose manifest reads and whose files have their sizes."""
     for step in reversed([s for s in list_steps(directory) if s < before]):
-        path = os.path.join(directory, f"step_{step}")
+        path = os.path.join(directory, step_name(step))
         try:
             files = read_manifest(path)
         except ManifestError:
@@ -187,7 +290,7 @@ def steps_hint(directory: str) -> str:
     steps = list_steps(directory)
     if not steps:
         return "the folder holds no step_N directory"
-    return f"the folder holds {_names(steps)}: name one with checkpoint.load_step=N"
+    return f"the folder holds {step_names(steps)}: name one with checkpoint.load_step=N"
 
 
 # ---- changing the folder (rank 0, lock held) ------------------------------------------------------
@@ -254,7 +357,7 @@ def roll_back(directory: str, step_dir: str) -> list[str]:
     name = os.path.basename(step_dir)
     if _read_latest(directory) != name:
         set_latest(directory, name)  # first: an interrupted rollback restarts from `step`, never from a newer step
-    newer = [f"step_{s}" for s in list_steps(directory) if s > step and _lineage_of(directory, s) == lineage]
+    newer = [step_name(s) for s in list_steps(directory) if s > step and _lineage_of(directory, s) == lineage]
     return set_aside(directory, newer, ABANDONED)
 
 
@@ -287,7 +390,7 @@ def prune(directory: str, keep_last: int, lineage: str, newest: int) -> None:
     """
     chain, step = [], newest
     while step is not None and (not chain or step < chain[-1]):
-        path = os.path.join(directory, f"step_{step}")
+        path = os.path.join(directory, step_name(step))
         try:
             info = step_info(path)
         except ConfigError:
@@ -297,7 +400,7 @@ def prune(directory: str, keep_last: int, lineage: str, newest: int) -> None:
         chain.append(step)
         step = info.get("parent")
     for step in chain[keep_last:]:
-        path = os.path.join(directory, f"step_{step}")
+        path = os.path.join(directory, step_name(step))
         if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
             os.rename(path, path + ".pruning")
     for name in os.listdir(directory):
@@ -337,11 +440,7 @@ def _complete_tmp(final: str) -> bool:
 
 def _lineage_of(directory: str, step: int) -> str | None:
     try:
-        return step_info(os.path.join(directory, f"step_{step}")).get("lineage")
+        return step_info(os.path.join(directory, step_name(step))).get("lineage")
     except ConfigError:
         return "unreadable"  # never matches a lineage: an unreadable step is left where it is
 
-
-def _names(steps: list[int]) -> str:
-    shown = ", ".join(f"step_{s}" for s in steps[-4:])
-    return ("..., " if len(steps) > 4 else "") + shown

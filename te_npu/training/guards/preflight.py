@@ -5,7 +5,9 @@ Each raises ``ConfigError`` naming the config key. The Trainer runs them at the 
 checkpoint's own checks with the checkpoint, ``te_npu.distributed.storage.dcp``): which step to
 resume (``resume_target``), that no planned save replaces another run's step
 (``check_step_collisions``), and that the Hugging Face export replaces nothing but an earlier
-export of this run and can be written (``check_export_dir``).
+export of this run and can be written (``check_export_dir``). What a step folder is, its names
+and who owns what in the folder are the folder's rules (``te_npu.distributed.storage.folder``);
+these checks ask it and say the answer with the config key.
 """
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ import os
 import torch
 
 from te_npu.distributed.storage import folder as checkpoint_folder
-from te_npu.distributed.storage import dcp as checkpoint
-from te_npu.distributed.storage.hf_checkpoint import export_owner
 from te_npu.errors import ConfigError
 
 __all__ = [
@@ -114,11 +114,14 @@ def _filesystem_of(directory: str) -> str:
 def resume_target(c) -> str | None:
     """The step directory ``CheckpointConfig`` ``c`` resumes from, or None to start from scratch.
 
-    ``resume: auto`` starts from scratch only in a folder without step directories; with
-    steps but no ``latest`` it refuses (naming the overrides); a ``latest`` naming a missing
-    step is an error naming both; ``load_step`` picks a step explicitly. A step whose save died
-    after it was published (``latest`` names it, its files are complete in ``step_N.tmp``) is
-    answered by its final path: the Trainer completes the rename once it holds the folder's lock.
+    ``resume: auto`` starts from scratch only in a folder that holds no step directory and is not
+    a step folder itself, complete or not (``checkpoint_folder.holds_step_files``: a user who
+    points ``checkpoint.dir`` at a step folder whose save was interrupted gets an error, not a new
+    run written inside it); with steps but no ``latest`` it refuses (naming the overrides); a
+    ``latest`` naming a missing step is an error naming both; ``load_step`` picks a step
+    explicitly. A step whose save died after it was published (``latest`` names it, its files
+    are complete in ``step_N.tmp``) is answered by its final path: the Trainer completes the
+    rename once it holds the folder's lock.
     """
     if c.resume is False:
         return None
@@ -126,24 +129,25 @@ def resume_target(c) -> str | None:
     if os.path.isfile(c.dir):
         raise ConfigError(f"{where}: {c.dir!r} is a file; only DCP checkpoint directories are supported")
     if c.load_step is not None:
-        path = os.path.join(c.dir, f"step_{c.load_step}")
+        path = os.path.join(c.dir, checkpoint_folder.step_name(c.load_step))
         if checkpoint_folder.pending_step(c.dir) == os.path.basename(path):
             return path
         if not os.path.isdir(path):
             raise ConfigError(f"checkpoint.load_step: {path} does not exist; the folder holds "
-                              f"{_names(checkpoint.list_steps(c.dir))}")
+                              f"{checkpoint_folder.step_names(checkpoint_folder.list_steps(c.dir))}")
         return _step(path, where)
-    has_marker = os.path.isfile(os.path.join(c.dir, "latest"))
-    if c.resume == "auto" and not has_marker and not checkpoint.list_steps(c.dir) and not _is_step_dir(c.dir):
+    has_marker = os.path.isfile(os.path.join(c.dir, checkpoint_folder.LATEST))
+    steps = checkpoint_folder.list_steps(c.dir)
+    is_step_folder = checkpoint_folder.holds_step_files(c.dir)  # complete or not: resolve_latest says which
+    if c.resume == "auto" and not has_marker and not steps and not is_step_folder:
         return None  # nothing to resume: a new run
     if c.resume is True and not os.path.exists(c.dir):
         raise ConfigError(f"{where}: {c.dir!r} does not exist, so there is nothing to resume")
-    if not has_marker and checkpoint.list_steps(c.dir) and not _is_step_dir(c.dir):
-        steps = checkpoint.list_steps(c.dir)
+    if not has_marker and steps and not is_step_folder:
         raise ConfigError(
-            f"{where}: {c.dir!r} holds {_names(steps)} but no 'latest' marker; refusing to start from scratch "
-            f"over them: resume one with checkpoint.load_step=N (newest: {steps[-1]}), or start a new run next to "
-            "them with checkpoint.resume=false (its pruning never touches their steps)"
+            f"{where}: {c.dir!r} holds {checkpoint_folder.step_names(steps)} but no 'latest' marker; refusing to "
+            f"start from scratch over them: resume one with checkpoint.load_step=N (newest: {steps[-1]}), or start "
+            "a new run next to them with checkpoint.resume=false (its pruning never touches their steps)"
         )
     try:
         return checkpoint_folder.resolve_latest(c.dir, pending=True)
@@ -163,15 +167,7 @@ def check_step_collisions(directory: str, steps: list[int], lineage: str | None,
     """No step this run will save may replace a step directory of another run (``lineage``; None:
     a new run, for which every existing step is another run's). ``resuming``: this run continues
     a lineage (the hint differs: it cannot be told to resume)."""
-    foreign = []
-    for step in sorted(set(steps) & set(checkpoint.list_steps(directory))):
-        path = os.path.join(directory, f"step_{step}")
-        try:
-            theirs = checkpoint.step_info(path).get("lineage")
-        except ConfigError:
-            theirs = "unknown"
-        if lineage is None or theirs != lineage:
-            foreign.append(f"step_{step}")
+    foreign = checkpoint_folder.foreign_steps(directory, steps, lineage)
     if not foreign:
         return
     if resuming:
@@ -193,29 +189,17 @@ def check_export_dir(path: str, lineage: str, key: str) -> None:
     of this lineage. Anything else -- an HF checkpoint (the run's own ``initial_load_path``), a
     tokenizer, another run's export -- is refused naming what it holds.
     """
-    if os.path.lexists(path):
-        if not os.path.isdir(path):
-            raise ConfigError(f"{key}: {path!r} exists and is not a directory; the export is a directory")
-        names = sorted(os.listdir(path))
-        owner = export_owner(path)
-        if names and (owner is None or owner.get("lineage") != lineage):
-            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-            whose = "another run's export" if owner is not None else "files that are not an export of this run"
-            raise ConfigError(f"{key}: {path!r} holds {whose} ({shown}); the export replaces the whole directory, "
-                              "so it must be new, empty, or an earlier export of this run: choose another directory")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} exists and is not a directory; the export is a directory")
+    held = checkpoint_folder.foreign_export(path, lineage)
+    if held is not None:
+        raise ConfigError(f"{key}: {path!r} holds {held}; the export replaces the whole directory, "
+                          "so it must be new, empty, or an earlier export of this run: choose another directory")
     check_writable(os.path.dirname(os.path.abspath(path)), key)
 
 
 def _step(path: str, where: str) -> str:
     try:
-        return checkpoint.latest_checkpoint(path)
+        return checkpoint_folder.latest_checkpoint(path)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-
-
-def _is_step_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "te_npu.json"))
-
-
-def _names(steps: list[int]) -> str:
-    return ", ".join(f"step_{s}" for s in steps[-4:]) if steps else "no step_N directory"

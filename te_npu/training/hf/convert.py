@@ -20,12 +20,13 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint as torch_dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from te_npu.compat import non_persistent_buffer_names
-from te_npu.distributed.storage import dcp as checkpoint
+from te_npu.distributed.storage import dcp
+from te_npu.distributed.storage import folder as checkpoint_folder
 from te_npu.distributed.storage.dcp import persistent_buffers
 from te_npu.distributed.storage.lock import acquire_folder_lock
 from te_npu.distributed.storage.metadata import SafeFileSystemReader
@@ -40,7 +41,7 @@ from te_npu.distributed import process_group
 __all__ = ["dcp_to_hf", "hf_to_dcp"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_LOAD_BATCH = 64  # tensors per dcp.load call: the unit of the progress bar
+_LOAD_BATCH = 64  # tensors per torch_dcp.load call: the unit of the progress bar
 
 
 def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: str = "bf16",
@@ -48,12 +49,12 @@ def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: s
               progress: bool = True) -> HFWriteReport:
     """Export the DCP step ``checkpoint_dir`` refers to (``latest`` or a step directory) to ``out``."""
     cfg = cfg.with_model_section(task.model_section)
-    path = checkpoint.latest_checkpoint(checkpoint_dir)
+    path = dcp.latest_checkpoint(checkpoint_dir)
     adapter = hf_weights.hf_adapter_of(task, cfg, where="model")
     with torch.device("meta"):
         model = task.build(cfg, _DTYPES[cfg.training.param_dtype])
-    checkpoint.verify_step(path, checksums=False)  # manifest sizes and a safely read .metadata, before any tensor
-    saved = checkpoint.read_metadata(path).state_dict_metadata
+    dcp.verify_step(path, checksums=False)  # manifest sizes and a safely read .metadata, before any tensor
+    saved = dcp.read_metadata(path).state_dict_metadata
     params, buffers = dict(model.named_parameters()), persistent_buffers(model)
     keys = {fqn: f"optim.{fqn}.master" if f"optim.{fqn}.master" in saved else f"model.{fqn}" for fqn in params}
     keys.update({fqn: f"model.{fqn}" for fqn in buffers})
@@ -70,12 +71,12 @@ def dcp_to_hf(cfg: TrainConfig, task, checkpoint_dir: str, out: str, *, dtype: s
     batches = [items[i: i + _LOAD_BATCH] for i in range(0, len(items), _LOAD_BATCH)]
     with ProgressBar(len(items), "reading DCP tensors", enabled=progress and process_group.rank() == 0, unit="tensor") as bar:
         for batch in batches:
-            dcp.load({keys[fqn]: t for fqn, t in batch}, storage_reader=SafeFileSystemReader(path),
+            torch_dcp.load({keys[fqn]: t for fqn, t in batch}, storage_reader=SafeFileSystemReader(path),
                      no_dist=not dist.is_initialized())
             bar.update(len(batch))
     torch_dtype = hf_weights.EXPORT_DTYPES[dtype]
     config, extra_files = hf_weights.export_config(adapter, torch_dtype, cfg.checkpoint.initial_load_path)
-    info = checkpoint.step_info(path)  # the export is that run's: a rerun of it sees its step exported
+    info = dcp.step_info(path)  # the export is that run's: a rerun of it sees its step exported
     owner = {"lineage": info.get("lineage"), "step": int(info["step"])} if info.get("lineage") else None
     return save_hf_weights(out, tensors, adapter.key_map, config, dtype=torch_dtype,
                            max_shard_bytes=max_shard_mb * 2**20, per_expert=per_expert, overwrite=overwrite,
@@ -105,7 +106,7 @@ def hf_to_dcp(cfg: TrainConfig, task, hf_dir: str, out: str, *, progress: bool =
     saved = False
     try:
         hf_weights.load_initial_weights(hf, model, optimizer, adapter, progress=progress and process_group.rank() == 0)
-        path = checkpoint.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA, lineage=checkpoint.new_lineage())
+        path = dcp.save(out, model, optimizer, 0, extra=FRESH_START_EXTRA, lineage=dcp.new_lineage())
         saved = True
         return path
     finally:
@@ -120,8 +121,7 @@ def _claim_output(out: str):
     if process_group.rank() == 0:
         try:
             lock = acquire_folder_lock(out, key="--out")
-            steps = checkpoint.list_steps(out)
-            held = [f"step_{s}" for s in steps[-4:]] + (["latest"] if os.path.exists(os.path.join(out, "latest")) else [])
+            held = checkpoint_folder.held_checkpoints(out)
             if held:
                 lock.release(discard=True)
                 lock = None

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from te_npu import ConfigError
+from te_npu.distributed.storage import folder as checkpoint_folder
 from te_npu.training.guards import preflight
 
 
@@ -67,6 +68,48 @@ def test_preflight_resume_auto_refuses_steps_without_latest(tmp_path):
     assert "checkpoint.load_step=N (newest: 20)" in message and "checkpoint.resume=false" in message
     assert preflight.resume_target(_ckpt(tmp_path, load_step=18)).endswith("step_18")
     with pytest.raises(ConfigError, match=r"checkpoint\.load_step: .*step_7 does not exist"):
+        preflight.resume_target(_ckpt(tmp_path, load_step=7))
+
+
+STEP_FILES = {"complete": ("te_npu.json", ".metadata"), "record_only": ("te_npu.json",),
+              "metadata_only": (".metadata",), "neither": ()}
+
+
+@pytest.mark.parametrize("held", list(STEP_FILES))
+def test_preflight_resume_auto_follows_the_folders_step_rule(tmp_path, held):
+    """``checkpoint.dir`` pointed at a step folder itself. A completed save leaves both files, and
+    only that folder resumes; one holding either file alone is a step folder whose save did not
+    complete (or a partial copy): refused naming the missing file, never a new run written inside
+    it. ``record_only`` is where the old preflight rule (``te_npu.json`` alone) and the folder's rule
+    (both) disagreed; ``metadata_only`` is what an interrupted save leaves in ``step_N.tmp`` (DCP's
+    ``.metadata`` is written before ``te_npu.json``), which the old rule took for an empty folder."""
+    step = tmp_path / "step_4"
+    step.mkdir()
+    for name in STEP_FILES[held]:
+        (step / name).write_text(json.dumps({"step": 4, "world_size": 1, "lineage": "run"}))
+    assert checkpoint_folder.is_step_dir(step) == (held == "complete")
+    assert checkpoint_folder.holds_step_files(step) == (held != "neither")
+    if held == "complete":
+        assert preflight.resume_target(_ckpt(step)) == str(step)
+    elif held == "neither":
+        assert preflight.resume_target(_ckpt(step)) is None  # an empty folder: a new run
+    else:
+        missing = ({"te_npu.json", ".metadata"} - set(STEP_FILES[held])).pop()
+        with pytest.raises(ConfigError) as info:
+            preflight.resume_target(_ckpt(step))
+        message = str(info.value)
+        assert message.startswith("checkpoint.dir (checkpoint.resume: auto): ")
+        assert f"incomplete step folder (no {missing} in it" in message and "\n" not in message
+        with pytest.raises(ConfigError, match="incomplete step folder"):
+            checkpoint_folder.latest_checkpoint(step)  # loading asks the same rule
+
+
+def test_preflight_step_names_say_the_newest_four(tmp_path):
+    for step in (2, 4, 6, 8, 10):
+        _fake_step(tmp_path, step)
+    assert checkpoint_folder.step_names(checkpoint_folder.list_steps(tmp_path)) == "..., step_4, step_6, step_8, step_10"
+    assert checkpoint_folder.step_names([]) == "no step_N directory"
+    with pytest.raises(ConfigError, match=r"step_7 does not exist; the folder holds \.\.\., step_4, .*step_10$"):
         preflight.resume_target(_ckpt(tmp_path, load_step=7))
 
 
