@@ -101,10 +101,14 @@ def build_turn(build_dir: Path):
 
 
 def _extension() -> tuple[str, Path]:
-    """The extension's name (capability and content hash in it) and torch's build folder for it."""
+    """The extension's name (capability and a hash of the sources' folder and contents in it) and
+    torch's build folder for it."""
     capability = torch.backends.cpu.get_cpu_capability()
-    # the content hash keys torch's build cache on headers too (it hashes only the sources)
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
+    # the content hash keys torch's build cache on headers too (it hashes only the sources); the
+    # folder keys it per copy of te_npu: ninja's build file names the sources by absolute path, so
+    # two checkouts (or a checkout and an installed wheel) sharing one build folder rebuilt it in turn
+    digest = hashlib.sha256(os.fsencode(_NATIVE_DIR.resolve()) + b"\0"
+                            + b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)).hexdigest()[:10]
     name = f"te_npu_native_cpu_{capability.lower()}_{digest}"
     return name, Path(compat.extension_build_directory(name))  # torch's own place for it
 

@@ -57,11 +57,21 @@ def test_a_fresh_build_with_a_stale_lock_completes(tmp_path):
     """The real build (about a minute on 2 cores) into a fresh TORCH_EXTENSIONS_DIR whose build
     folder holds a killed build's lock: before the build turn this hung forever."""
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    code = ("from te_npu import compat; from te_npu.ops.kernels import native_cpu as n; import hashlib, torch, pathlib\n"
-            "cap = torch.backends.cpu.get_cpu_capability().lower()\n"
-            "d = hashlib.sha256(b''.join(p.read_bytes() for p in n._SOURCES + n._HEADERS)).hexdigest()[:10]\n"
-            "pathlib.Path(compat.extension_build_directory(f'te_npu_native_cpu_{cap}_{d}'), 'lock').write_bytes(b'')\n"
+    code = ("from te_npu.ops.kernels import native_cpu as n\n"
+            "_, build_dir = n._extension(); (build_dir / 'lock').write_bytes(b'')\n"
             "ok, why = n.is_available(return_reason=True); print('built' if ok else why)")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.stdout.strip().splitlines()[-1] == "built", done.stdout + done.stderr
     assert "removed" in done.stderr and "killed mid-way" in done.stderr
+
+
+def test_each_copy_of_te_npu_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Two checkouts (or a checkout and an installed wheel) with the same sources get different
+    build folders: ninja's build file names the sources by absolute path, so one shared folder
+    was rebuilt by each copy in turn. The same copy keeps its name."""
+    name, build_dir = native_cpu._extension()
+    assert native_cpu._extension() == (name, build_dir)
+    monkeypatch.setattr(native_cpu, "_NATIVE_DIR", tmp_path)
+    other, other_dir = native_cpu._extension()
+    assert other != name and other_dir != build_dir
+    assert other.rsplit("_", 1)[0] == name.rsplit("_", 1)[0]  # te_npu_native_cpu_<capability>_
