@@ -6,7 +6,7 @@
         --recipes bf16=recipes/dsv3_16b_bf16.yaml mxfp8=recipes/dsv3_16b_mxfp8.yaml hif8=recipes/dsv3_16b_hif8.yaml \\
         data.path=/data/pretrain/dsv3_corpus                              # 8x A5 (the default recipes there)
 
-Every case runs the production ``Trainer`` with the ``STProbe`` (``te_npu.testing.PhaseProbe``)
+Every case runs the production ``Trainer`` with the ``PhaseProbe`` (``te_npu.testing.phase_probe``)
 in jobs of ``torchrun`` ranks (``--nproc``; default 8 on an NPU, 2 gloo ranks elsewhere), started
 from here, one job per format and phase group, so a crashing or failing case never stops the
 others; the resume of Q3-09 runs in fresh processes. This script parses the command line and
