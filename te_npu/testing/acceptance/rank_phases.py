@@ -72,14 +72,12 @@ def _run_phases(settings: RunSettings, job: str, phases: list[str]) -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     jobdir = JobFiles(settings.out, settings.nproc).job_dir(job)
     kind, _, fmt = job.partition("-")
-    bodies = {
-        "train": lambda phase: lambda: _train(settings, fmt, phase, jobdir, rank, world),
-        "resume": lambda phase: lambda: _resume(settings, fmt, jobdir, rank),
-        "perf": lambda phase: lambda: _perf(settings, phase, jobdir / phase),
-        "profile": lambda phase: lambda: _profiled(settings, phase, jobdir / phase, rank),
-    }[kind]
-    for phase in (["resume"] if kind == "resume" else phases):
-        _record_phase(settings, jobdir / phase / f"rank{rank}.json", rank, world, bodies(phase))
+    for phase in (["resume"] if kind == "resume" else phases):  # perf / profile: the phases are formats
+        body = {"train": lambda: _train(settings, fmt, phase, jobdir, rank, world),
+                "resume": lambda: _resume(settings, fmt, jobdir, rank),
+                "perf": lambda: _perf(settings, phase, jobdir / phase),
+                "profile": lambda: _profiled(settings, phase, jobdir / phase, rank)}[kind]
+        _record_phase(settings, jobdir / phase / f"rank{rank}.json", rank, world, body)
 
 
 def _record_phase(settings: RunSettings, out: Path, rank: int, world: int, body) -> None:
