@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The spec's Q3 acceptance matrix (Q3-01..Q3-11) in one command; see scripts/q3_acceptance.py.
+# The acceptance matrix (Q3-01..Q3-11, docs/a5.md, acceptance matrix) in one command; see scripts/q3_acceptance.py.
 #
 #   bash scripts/q3_acceptance.sh                          # CPU: tiny recipes, 2 gloo ranks per job, runs/q3_acceptance
 #   NPROC=8 bash scripts/q3_acceptance.sh --out runs/q3_a5 data.path=/data/pretrain/dsv3_corpus   # 8x Ascend A5

@@ -1,4 +1,5 @@
-"""One orchestrator per report folder, and the jobs it starts owned by it (``scripts/q3_acceptance.py``).
+"""One orchestrator per report folder, and the jobs it starts owned by it (the acceptance run:
+``te_npu.testing.acceptance.orchestration``).
 
 ``JobFolder(out)`` is entered once per run of the orchestrator:
 

@@ -4,7 +4,7 @@
 *instance attributes* (read-only spies) to tag each event with the phase it happened in, so "no
 weight quantization during forward/backward" is checkable while ``train_step`` drives the step
 (setup's initial weight quantization is tagged ``setup``), and counts micro-steps per optimizer
-step. Used by the Q3 system tests and ``scripts/q3_acceptance.py``.
+step. Used by the acceptance system tests and the acceptance run (``te_npu.testing.acceptance``).
 """
 from __future__ import annotations
 

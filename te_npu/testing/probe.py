@@ -1,4 +1,5 @@
-"""STProbe (spec section 16.6): a read-only recorder of what a training run actually did.
+"""STProbe: the system tests' read-only recorder of what a training run actually did (the
+acceptance rules, docs/a5.md, acceptance matrix, read what it recorded).
 
 A ``te_npu.events`` subscriber: pass it to the trainer (``Trainer(task, subscribers=[probe])``)
 or subscribe it yourself (``with events.subscribe(probe): ...``). It files every event under

@@ -16,7 +16,7 @@ STEPS = 3
 
 def _bias_worker(rank, world, workdir, data_dir, replicate):
     from models.deepseek_v3.pretrain import DeepseekV3Task
-    from te_npu.testing.q3_runs import run_phase
+    from te_npu.testing.acceptance.runs import run_phase
 
     cfg = H.st_config("mxfp8", Path(workdir) / "run", data_dir, f"fsdp_config.dp_shard_size={world // replicate}",
                       f"fsdp_config.dp_replicate_size={replicate}", "model.load_balance.bias_update_rate=0.01",

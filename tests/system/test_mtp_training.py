@@ -8,7 +8,6 @@ layer-``num_hidden_layers`` keys and a run started from it reads them bitwise.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -19,9 +18,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from models.deepseek_v3.config import expected_low_precision_scope
 from models.deepseek_v3.pretrain import DeepseekV3Task, model_config
-from te_npu.testing import q3_rules as R
+from te_npu.testing.acceptance import rules as R
 from te_npu.compat import local_tensor
-from te_npu.testing.q3_runs import make_trainer, resume_phase, weight_state
+from te_npu.testing.acceptance.runs import closing, make_trainer, resume_phase, step_record, weight_state
 from tests.system import harness as H
 
 pytestmark = pytest.mark.slow  # ~1 min of two CPU ranks; the MTP numerics: tests/model/test_deepseek_v3_mtp.py
@@ -41,21 +40,17 @@ def _main(rank, world, workdir, data_dir):
     cfg = _cfg(workdir, data_dir)
     lines: list[str] = []
     trainer, probe = make_trainer(DeepseekV3Task(), lines)
-    try:
+    with closing(trainer):
         trainer.setup(cfg)
         records = []
         for _ in range(STEPS):
-            records.append(dataclasses.asdict(trainer.train_step()))
+            records.append(step_record(trainer.train_step()))
             if trainer.global_step == SAVE_AT:
                 trainer.save_dcp(str(Path(workdir) / "dcp"))
         trainer.save_hf()
         result = {"records": records, "probe": probe, "weights": weight_state(trainer), "lines": lines,
                   "masters": {f: local_tensor(m).detach().cpu().clone() for f, m in trainer.optimizer.masters.items()},
                   "units": [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]}
-    except BaseException:
-        trainer.abandon()
-        raise
-    trainer.close()
     return result
 
 

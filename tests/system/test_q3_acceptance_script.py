@@ -1,9 +1,9 @@
-"""``scripts/q3_acceptance.py``: the Q3 matrix in one command, judged by te_npu.testing.q3_rules.
+"""``scripts/q3_acceptance.py``: the acceptance matrix in one command, judged by ``te_npu.testing.acceptance``.
 
 Default suite: a reduced ``--cases`` (a recipe that breaks Q3-02 makes it ``fail`` with the reason;
 a re-run skips finished cases; about a minute). Slow suite: Q3-10 alone, and the whole matrix on
 the tiny recipes, 2 gloo ranks per job: every case ``pass``, Q3-11 ``not judged`` (emulation),
-spec 17.4's time shares, reshard / recompute differences and per-phase peak memory reported.
+the time shares, reshard / recompute differences and per-phase peak memory reported.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_the_whole_matrix_on_cpu(tmp_path):
     assert cases["Q3-09"]["measured"]["resume-mxfp8"]["bitwise"] is True
     ratios = cases["Q3-11"]["measured"]
     assert {"throughput_ratio", "step_time_ratio"} <= set(ratios["mxfp8"]) and ratios["bf16"]["steady_steps"] == 20
-    # spec 17.4: time shares per format from the profiled job (emulation: host self time), its traces kept
+    # time shares per format from the profiled job (emulation: host self time), its traces kept
     shares = report["time_shares"]
     for fmt in ("mxfp8", "hif8"):
         assert shares[fmt]["basis"] == "host" and shares[fmt]["percent"]["quant"] > 0, shares[fmt]
@@ -82,7 +82,7 @@ def test_the_whole_matrix_on_cpu(tmp_path):
     assert {"train-mxfp8/main", "train-hif8/recompute", "perf/bf16", "profile/hif8"} <= set(memory)
     assert all(m["global_max"] == max(m["per_rank"]) > 0 and len(m["per_rank"]) == 2 for m in memory.values())
     page = (tmp_path / "q3" / "report.md").read_text()
-    assert "## Time shares (section 17.4)" in page and "emulation numbers" in page
+    assert "## Time shares" in page and "emulation numbers" in page
 
 
 def _processes_naming(text: str) -> list[tuple[int, str]]:

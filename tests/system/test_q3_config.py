@@ -1,4 +1,4 @@
-"""Q3-10 (spec 15 / 17.2): every illegal configuration fails before a model is built, naming the key.
+"""Q3-10 (docs/a5.md, acceptance matrix): every illegal configuration fails before a model is built, naming the key.
 
 Config-only rows go through the production entry (``models.deepseek_v3.pretrain.main`` ->
 ``load_config``) and through ``Trainer.setup`` with a build-counting task. The misaligned-shard
@@ -13,10 +13,10 @@ from models.deepseek_v3.pretrain import DeepseekV3Task, main
 from te_npu.errors import ConfigError
 from te_npu.training.config import load_config
 from te_npu.training.trainer import Trainer
-from te_npu.testing import q3_rules as R
+from te_npu.testing.acceptance import rules as R
 from tests.system import harness as H
 
-ILLEGAL = list(R.ILLEGAL_CONFIGS)  # (override, the key the error names): te_npu.testing.q3_rules
+ILLEGAL = list(R.ILLEGAL_CONFIGS)  # (override, the key the error names): te_npu.testing.acceptance.rules
 
 
 class CountingTask(DeepseekV3Task):

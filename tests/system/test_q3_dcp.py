@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from te_npu.testing import q3_rules as R
+from te_npu.testing.acceptance import rules as R
 from tests.system import harness as H
 
 def _check_resume(run, resumed):

@@ -1,4 +1,4 @@
-"""Q3-01..Q3-08 (spec 17.2) through the production Trainer on 2 gloo ranks (CPU emulation).
+"""Q3-01..Q3-08 (docs/a5.md, acceptance matrix) through the production Trainer on 2 gloo ranks (CPU emulation).
 
 Each format's 2-rank job (``conftest``) runs once per session; the tests below read its
 per-rank results. ``main``: 20 steps, reshard_after_forward true, accumulation 1.
@@ -11,7 +11,7 @@ import torch
 
 from models.deepseek_v3.config import expected_low_precision_scope
 from models.deepseek_v3.pretrain import model_config
-from te_npu.testing import q3_rules as R
+from te_npu.testing.acceptance import rules as R
 from tests.system import harness as H
 
 LOW = ["mxfp8", "hif8"]
@@ -23,7 +23,7 @@ def _weights(rank_phase) -> set[str]:
 
 
 # ---- Q3-01 / Q3-02 / Q3-03: 20 steps, finite and falling --------------------------------------
-# Each rule is stated once, in te_npu.testing.q3_rules (scripts/q3_acceptance.py judges with it too):
+# Each rule is stated once, in te_npu.testing.acceptance.rules (scripts/q3_acceptance.py judges with it too):
 # a check returns its problems, and an empty list is a pass.
 
 
@@ -88,9 +88,9 @@ def test_q3_02_03_exact_low_precision_gemm_count_per_step(run_of, fmt):
         probe = main["probe"]
         assert not R.check_gemm_counts(main, micro_steps=1)
         # the number is what the TE module list implies (grouped GEMMs: 2 per SwiGLU experts call)
-        expected = H.expected_gemm_counts(probe.low_precision_modules, micro_steps=1)
-        n_dense = sum(1 for t in probe.low_precision_modules.values() if H.unwrapped(t) == "TELinear")
-        n_experts = sum(1 for t in probe.low_precision_modules.values() if H.unwrapped(t) == "TEGroupedSwiGLUExperts")
+        expected = R.expected_gemm_counts(probe.low_precision_modules, micro_steps=1)
+        n_dense = sum(1 for t in probe.low_precision_modules.values() if R.unwrapped(t) == "TELinear")
+        n_experts = sum(1 for t in probe.low_precision_modules.values() if R.unwrapped(t) == "TEGroupedSwiGLUExperts")
         assert sum(expected.values()) == 3 * n_dense + 3 * 2 * n_experts
 
 

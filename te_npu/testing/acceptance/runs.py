@@ -1,13 +1,16 @@
-"""One Q3 training phase through the production Trainer with a ``PhaseProbe``, as plain results.
+"""One acceptance phase through the production Trainer with a ``PhaseProbe``, as plain results.
 
 ``run_phase(task, cfg, steps)`` -> ``setup`` -> ``train_step`` x steps (``save_dcp`` after step
 ``save_at``) -> ``close``; ``resume_phase`` sets up a fresh Trainer, ``load_dcp`` and trains on.
 Both return dicts (step records, the probe, per-weight state, optimizer dtypes, FP32 masters)
-that the rules of ``te_npu.testing.q3_rules`` read. The Q3 system tests (``tests/system``) and
-``scripts/q3_acceptance.py`` both run their phases through these two functions.
+that the rules of ``te_npu.testing.acceptance.rules`` read. The acceptance system tests
+(``tests/system``) and the acceptance run (``scripts/q3_acceptance.py``) both run their phases
+through these two functions. ``closing(trainer)`` is the one place a Trainer's life ends: ``close``
+when the block succeeds, ``abandon`` (then re-raise) when it fails.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -21,7 +24,7 @@ from te_npu.quantizers.hif8 import hif8_amax
 from te_npu.tensor import QuantizedWeightTensor
 from te_npu.testing.phase_probe import PhaseProbe
 
-__all__ = ["make_trainer", "run_phase", "resume_phase", "weight_state", "optimizer_dtypes"]
+__all__ = ["make_trainer", "closing", "step_record", "run_phase", "resume_phase", "weight_state", "optimizer_dtypes"]
 
 
 def make_trainer(task, lines: list[str], subscribers=()):
@@ -32,6 +35,23 @@ def make_trainer(task, lines: list[str], subscribers=()):
     trainer = Trainer(task, print_fn=lines.append, subscribers=[probe, *subscribers])
     probe.attach(trainer)
     return trainer, probe
+
+
+@contextlib.contextmanager
+def closing(trainer):
+    """``close`` the trainer when the block succeeds; ``abandon`` it and re-raise when the block
+    raises (anything, Ctrl-C included): no process group, subscription or open file outlives it."""
+    try:
+        yield trainer
+    except BaseException:
+        trainer.abandon()
+        raise
+    trainer.close()
+
+
+def step_record(result) -> dict:
+    """One ``train_step`` result as the plain dict the rules and reports read."""
+    return dataclasses.asdict(result)
 
 
 def weight_state(trainer) -> dict:
@@ -70,12 +90,12 @@ def run_phase(task, cfg, steps: int, *, save_at: int | None = None, save_dir: st
     """Set up, train ``steps`` optimizer steps (``save_dcp(save_dir)`` after step ``save_at``), close."""
     lines: list[str] = []
     trainer, probe = make_trainer(task, lines, subscribers)
-    try:
+    with closing(trainer):
         trainer.setup(cfg)
         setup_refreshes = dict(probe.refresh_counts(-1))
         records = []
         for _ in range(steps):
-            records.append(dataclasses.asdict(trainer.train_step()))
+            records.append(step_record(trainer.train_step()))
             if save_at is not None and trainer.global_step == save_at:
                 trainer.save_dcp(save_dir)
         params = dict(trainer.model.named_parameters())
@@ -92,10 +112,6 @@ def run_phase(task, cfg, steps: int, *, save_at: int | None = None, save_dir: st
             "buffers": _buffers(trainer),
             "lines": lines,
         }
-    except BaseException:
-        trainer.abandon()
-        raise
-    trainer.close()
     result["subscribed_after_close"] = events.has_subscribers()  # the trainer's subscriptions ended
     return result
 
@@ -104,7 +120,7 @@ def resume_phase(task, cfg, dcp_dir: str, steps: int) -> dict:
     """A fresh Trainer: ``setup``, ``load_dcp(dcp_dir)`` (its refreshes filed under step -2), ``steps`` more."""
     lines: list[str] = []
     trainer, probe = make_trainer(task, lines)
-    try:
+    with closing(trainer):
         trainer.setup(cfg)
         before = {fqn: local_tensor(m).clone() for fqn, m in trainer.optimizer.masters.items()}
         probe.begin_optimizer_step(-2)  # refreshes made by load_dcp land here
@@ -112,7 +128,7 @@ def resume_phase(task, cfg, dcp_dir: str, steps: int) -> dict:
         load_refreshes = dict(probe.refresh_counts(-2))
         changed = sorted(fqn for fqn, m in trainer.optimizer.masters.items()
                          if not torch.equal(local_tensor(m), before[fqn]))
-        records = [dataclasses.asdict(trainer.train_step()) for _ in range(steps)]
+        records = [step_record(trainer.train_step()) for _ in range(steps)]
         result = {
             "step": step,
             "records": records,
@@ -125,8 +141,4 @@ def resume_phase(task, cfg, dcp_dir: str, steps: int) -> dict:
             "probe": probe,
             "lines": lines,
         }
-    except BaseException:
-        trainer.abandon()
-        raise
-    trainer.close()
     return result

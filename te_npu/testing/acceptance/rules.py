@@ -1,10 +1,12 @@
-"""The Q3 acceptance rules (spec section 17.2), each stated once, as functions returning problems.
+"""The acceptance rules (cases Q3-01..Q3-11, docs/a5.md, acceptance matrix), each stated once, as
+functions returning problems.
 
-Every ``check_*`` takes the plain results of ``te_npu.testing.q3_runs`` (one rank's phase, or all
-ranks') and returns a list of one-line problems: empty means the rule holds. The Q3 system tests
-(``tests/system``) assert the list is empty; ``scripts/q3_acceptance.py`` writes it into its report
-as the reason of a ``fail``. ``expected_*`` derive the counts a rule expects from the model's TE
-module list (the probe's ``low_precision_modules``).
+Every ``check_*`` takes the plain results of ``te_npu.testing.acceptance.runs`` (one rank's phase,
+or all ranks') and returns a list of one-line problems: empty means the rule holds. The acceptance
+system tests (``tests/system``) assert the list is empty; the acceptance run
+(``te_npu.testing.acceptance.verdicts``) writes it into its report as the reason of a ``fail``.
+``expected_*`` derive the counts a rule expects from the model's TE module list (the probe's
+``low_precision_modules``). Which rules count for which case: ``te_npu.testing.acceptance.matrix``.
 """
 from __future__ import annotations
 
@@ -321,8 +323,9 @@ def check_resume(continuous: dict, resumed: dict, save_at: int) -> tuple[list[st
     """Fresh processes resumed at ``save_at``: step, FP32 state, each 8-bit shard rebuilt once from its
     master, one refresh per step; and the measured difference to the continuous run's later steps
     (first resumed loss, every step's loss / grad norm, the final FP32 masters and buffers such as
-    router biases): ``bitwise`` when they are equal. Returns (problems, measurement); the tolerance of a non-bitwise resume is the
-    spec's to freeze (section 17.2), so it is measured, not judged here."""
+    router biases): ``bitwise`` when they are equal. Returns (problems, measurement). No tolerance
+    for a non-bitwise resume is agreed yet, so the difference is measured, not judged here (the
+    acceptance run reports such a resume ``not judged``: docs/a5.md, acceptance matrix, Q3-09)."""
     p = _Problems()
     p.expect(resumed["step"] == save_at, f"resumed at step {resumed['step']}, expected {save_at}")
     later = continuous["records"][save_at:]
@@ -370,7 +373,8 @@ def check_misaligned_shard(error: str | None, fqn: str, shape: str, had_model: b
 # ---- Q3-11: steady-state throughput ---------------------------------------------------------------
 def steady_ratios(records_by_fmt: dict[str, list[dict]], warmup: int) -> dict:
     """Per low-precision format: ``throughput_ratio`` (mean tokens/s / BF16's) and ``step_time_ratio``
-    (mean step time / BF16's) over the steps after ``warmup``, and the spec's verdict inputs."""
+    (mean step time / BF16's) over the steps after ``warmup``: Q3-11's verdict inputs (on the
+    device, pass when ``throughput_ratio >= 1`` and ``step_time_ratio <= 1`` for each)."""
     def steady(records):
         rows = records[warmup:]
         return (sum(r["tokens_per_s"] for r in rows) / len(rows), sum(r["elapsed_ms"] for r in rows) / len(rows),
@@ -421,7 +425,7 @@ def check_checkpoint_contents(path: str, result: dict, world: int) -> list[str]:
     return p
 
 
-# ---- Q3-10: every illegal configuration of spec section 15 ----------------------------------------
+# ---- Q3-10: every illegal configuration (docs/a5.md, acceptance matrix) ---------------------------
 ILLEGAL_CONFIGS: tuple[tuple[str, str], ...] = (
     ("low_precision={enabled: true, format: hif8, scaling: delayed}", "low_precision.scaling"),
     ("low_precision={enabled: false, format: hif8, scaling: delayed}", "low_precision.scaling"),
@@ -434,7 +438,7 @@ ILLEGAL_CONFIGS: tuple[tuple[str, str], ...] = (
     ("checkpoint.format=torch_save", "checkpoint.format"),
     ("checkpoint.format=safetensors", "checkpoint.format"),
     ("activation_checkpoint.mode=selective", "activation_checkpoint.mode"),
-    ("model.preset=dsv3_671b", "model.preset"),  # the model task's section (spec 15: frozen 16B structure)
+    ("model.preset=dsv3_671b", "model.preset"),  # the model task's section: the 16B structure is frozen
     ("model.overrides.num_nextn_predict_layers=-1", "num_nextn_predict_layers"),
 )
 """(override, the key its one-line ``ConfigError`` must name): each fails in ``load_config``, before

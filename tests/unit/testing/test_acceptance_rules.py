@@ -1,11 +1,11 @@
-"""te_npu.testing.q3_rules on hand-made inputs: each rule passes what the spec allows and names
+"""te_npu.testing.acceptance.rules on hand-made inputs: each rule passes what it allows and names
 what it does not (the system tests run them on real 2-rank runs)."""
 from __future__ import annotations
 
 import pytest
 
 from te_npu.errors import ConfigError
-from te_npu.testing import q3_rules as R
+from te_npu.testing.acceptance import rules as R
 
 
 def _records(losses, grad_norm=1.0):
