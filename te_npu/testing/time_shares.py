@@ -221,8 +221,9 @@ def mean_over_ranks(per_rank: Sequence[dict], steps: int) -> dict:
     collective thread's name missing on a rank counts 0 there."""
     if not per_rank or steps <= 0:
         raise ValueError(f"mean_over_ranks: need at least one rank and one step, got {len(per_rank)} / {steps}")
-    n = len(per_rank)
-    mean = lambda values: sum(values) / n  # noqa: E731
+    def mean(values) -> float:
+        return sum(values) / len(per_rank)
+
     names = sorted({name for s in per_rank for name in s["comm_threads_ms"]})
     return {
         "basis": per_rank[0]["basis"],

@@ -26,7 +26,7 @@ from collections import Counter
 from te_npu.testing.acceptance.job_files import JobFiles, write_json
 from te_npu.testing.acceptance.matrix import FAIL, PROFILE_STEPS, SHORT_STEPS
 from te_npu.testing.acceptance.run_config import FORMATS, RunSettings
-from te_npu.testing.time_shares import CATEGORIES
+from te_npu.testing.time_shares import CATEGORIES, mean_over_ranks
 
 __all__ = ["write_report"]
 
@@ -173,11 +173,7 @@ def _time_shares(files: JobFiles) -> dict:
             out[f] = {"error": errors}
             continue
         shares = [d["shares"] for d in ranks]
-        out[f] = {"basis": shares[0]["basis"], "steps": ranks[0]["steps"],
-                  "wall_ms_per_step": _mean(s["wall_ms"] for s in shares) / ranks[0]["steps"],
-                  "percent": {c: _mean(s["percent"][c] for s in shares) for c in CATEGORIES},
-                  "ms_per_step": {c: _mean(s["ms"][c] for s in shares) / ranks[0]["steps"] for c in CATEGORIES},
-                  "unattributed_percent": _mean(s["unattributed_percent"] for s in shares),
+        out[f] = {**mean_over_ranks(shares, ranks[0]["steps"]),  # the recipe comparison's mean too
                   "per_rank": shares, "files": [f"jobs/profile/{name}" for d in ranks for name in d["files"]]}
     return out
 
