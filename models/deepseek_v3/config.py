@@ -5,7 +5,7 @@ configs but are not implemented here fail with a ``te_npu.ConfigError`` naming t
 (tensor / expert parallel sizes > 1, rope scaling, tied embeddings, ...). One is carried
 ``num_nextn_predict_layers`` = D builds D multi-token-prediction layers after the main ones
 (``model.layers.{num_hidden_layers + k}``, DeepSeek-V3's checkpoint numbering; ``mtp.py``);
-transformers' default and the releases' value is 1, the frozen 16B spec's is 0.
+transformers' default and the releases' value is 1, the frozen 16B model's is 0.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ __all__ = [
     "expected_low_precision_scope", "expected_parameter_shapes", "validate_16b",
 ]
 
-DSV3_16B_NUM_PARAMS = 16_585_005_056  # seed spec section 4.1; router bias buffers are not parameters
+DSV3_16B_NUM_PARAMS = 16_585_005_056  # the frozen 16B model's count; router bias buffers are not parameters
 DSV3_16B_MTP_LAYER_PARAMS = 603_730_944
 """Parameters of one MTP layer of the 16B (``num_nextn_predict_layers`` = 1 adds them): a MoE
 decoder layer (595,336,192) + ``eh_proj`` [2048, 4096] + ``enorm``, ``hnorm``,
@@ -196,7 +196,7 @@ def to_hf_config_dict(config: DeepseekV3Config, dtype: str = "float32") -> dict[
     return out
 
 
-# The frozen DeepSeek-V3 16B spec (seed spec section 4.1): the dataclass defaults.
+# The frozen DeepSeek-V3 16B model (docs/a5.md, the 16B recipes): the dataclass defaults.
 DSV3_16B = DeepseekV3Config()
 
 # CPU flavor: every TE weight dim (and kv_lora_rank + qk_rope_head_dim) is a multiple of 64,
@@ -210,7 +210,7 @@ DSV3_TINY = DeepseekV3Config(
 
 
 def expected_low_precision_scope(config: DeepseekV3Config) -> list[str]:
-    """Explicit FQNs of the 8-bit GEMM modules (spec 1.1 / Q3-04), in module order: every MLA
+    """Explicit FQNs of the 8-bit GEMM modules (the acceptance matrix's Q3-04, docs/a5.md), in module order: every MLA
     q/kv/o projection, every dense and shared-expert projection, every routed-experts module.
     MTP layers (``num_hidden_layers + k``) add their ``eh_proj``. Nothing else (embedding,
     lm_head, router, norms, core attention) is listed."""
@@ -272,8 +272,8 @@ def validate_16b(model: Any) -> None:
 
     Order: config fields, layer count, dense/MoE layout and expert count per layer, every
     parameter name and shape, then the total parameter count (16,585,005,056, plus
-    ``DSV3_16B_MTP_LAYER_PARAMS`` per MTP layer). The spec builds no MTP; a model with
-    ``num_nextn_predict_layers`` = D is the spec plus D MTP layers (the field alone may differ).
+    ``DSV3_16B_MTP_LAYER_PARAMS`` per MTP layer). The frozen model has no MTP; a model with
+    ``num_nextn_predict_layers`` = D is that model plus D MTP layers (the field alone may differ).
     """
     mtp = model.config.num_nextn_predict_layers
     spec = DSV3_16B.replace(num_nextn_predict_layers=mtp)

@@ -4,7 +4,7 @@ Shape legend: B batch, S sequence, D hidden, T = B*S tokens, N heads, P qk_nope_
 R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, Q q_lora_rank, E routed experts,
 K experts per token, F intermediate size, O vocabulary.
 
-Precision boundary (spec 1.1): the MLA projections, the dense / shared-expert MLP projections
+Precision boundary: the MLA projections, the dense / shared-expert MLP projections
 (``te_npu.TELinear``) and the routed experts (``te_npu.TEGroupedSwiGLUExperts``) are the GEMMs
 that ``te_npu.autocast`` runs in 8 bits. Embedding, lm_head, the FP32 router, RMSNorm, RoPE and
 core attention always stay in high precision. The MTP layers (``models/deepseek_v3/mtp.py``)

@@ -147,17 +147,17 @@ def _full_masters(opt) -> dict:
 def _save_worker(rank, world, workdir, fmt, layout, load_from, save_to):
     """``layout`` (replicate, shard): optionally load ``load_from`` (a fresh seed: every value must
     come from it), train, save into ``save_to`` at the step reached, train ``MORE`` more steps."""
-    from te_npu.distributed.storage import dcp as checkpoint
+    from te_npu.distributed.storage import dcp
 
     model, opt = _setup(fmt, *layout, seed=123 if load_from else 0)
     step, loaded = 0, None
     if load_from:
-        step, _ = checkpoint.load(f"{workdir}/{load_from}", model, opt)
+        step, _ = dcp.load(f"{workdir}/{load_from}", model, opt)
         loaded = _full_masters(opt)
     else:
         _train(model, opt, fmt, rank, world, range(SAVE_AT))
         step = SAVE_AT
-    checkpoint.save(f"{workdir}/{save_to}", model, opt, step)
+    dcp.save(f"{workdir}/{save_to}", model, opt, step)
     saved = _full_masters(opt)
     return {"step": step, "loaded": loaded, "saved": saved,
             "losses": _train(model, opt, fmt, rank, world, range(step, step + MORE))}
@@ -171,7 +171,7 @@ def _distcp_bytes(step_dir) -> int:
 def test_hsdp_checkpoint_holds_each_shard_once_and_resumes_on_any_layout(tmp_path):
     """HSDP 2 x 2 saves; a fresh HSDP 2 x 2 job resumes bitwise; flat FSDP 2 loads the same
     masters bit for bit and saves; HSDP 2 x 2 loads that back, bit for bit again."""
-    from te_npu.distributed.storage import dcp as checkpoint
+    from te_npu.distributed.storage import dcp
 
     fmt, hsdp, flat = "hif8", (REPLICATE, SHARD), (1, SHARD)
     continuous = run_ranks(_save_worker, WORLD, tmp_path, fmt, hsdp, None, "hsdp")
@@ -187,7 +187,7 @@ def test_hsdp_checkpoint_holds_each_shard_once_and_resumes_on_any_layout(tmp_pat
     # each shard once: a DTensor key has one chunk per shard-group rank (not per rank), its
     # chunks tile it exactly, and the files hold what the flat 2-rank save of the same state holds
     hsdp_dir, flat_dir = (tmp_path / "hsdp" / f"step_{SAVE_AT}", tmp_path / "flat" / f"step_{SAVE_AT}")
-    metadata = checkpoint.read_metadata(str(hsdp_dir))
+    metadata = dcp.read_metadata(str(hsdp_dir))
     for key, entry in metadata.state_dict_metadata.items():
         if key.startswith("model.") or key.endswith(".master"):
             assert len(entry.chunks) == SHARD, (key, entry.chunks)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from models.deepseek_v3 import pretrain
 from te_npu.distributed.storage import folder as checkpoint_folder
-from te_npu.distributed.storage import dcp as checkpoint
+from te_npu.distributed.storage import dcp
 from te_npu.training.trainer import Trainer
 
 
@@ -59,7 +59,7 @@ def _install(fault: str) -> None:
         Trainer.optimizer_step = failing_step
     elif kind == "slow_save":
         seconds, step = float(arg.split(":")[0]), int(arg.split(":")[1])
-        original_hash = checkpoint.hash_files
+        original_hash = dcp.hash_files
 
         def slow_hash(directory, names):
             if os.path.basename(directory) == f"step_{step}.tmp":
@@ -68,7 +68,7 @@ def _install(fault: str) -> None:
                 time.sleep(seconds)
             return original_hash(directory, names)
 
-        checkpoint.hash_files = slow_hash
+        dcp.hash_files = slow_hash
     elif kind == "slow_export":
         from te_npu.distributed.storage import hf_checkpoint
 
@@ -93,14 +93,14 @@ def _install(fault: str) -> None:
         Trainer.optimizer_step = busy_step
     elif kind == "busy_save":
         rank, step, seconds = arg.split(":")
-        original_hash_files = checkpoint.hash_files
+        original_hash_files = dcp.hash_files
 
         def busy_hash(directory, names):
             if _rank() == int(rank) and os.path.basename(directory) == f"step_{step}.tmp":
                 _stay_busy(float(seconds), "sleep")
             return original_hash_files(directory, names)
 
-        checkpoint.hash_files = busy_hash
+        dcp.hash_files = busy_hash
     elif kind == "save_marker":
         _marker.append(arg)
     elif kind == "die_after_publish":

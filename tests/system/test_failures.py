@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from te_npu.distributed.storage import dcp as checkpoint
+from te_npu.distributed.storage import dcp
 from tests.distributed.harness import _free_port
 
 pytestmark = pytest.mark.slow
@@ -119,8 +119,8 @@ def _wait_gone(pids, timeout: float = 30.0) -> None:
 
 
 def _latest_verified(directory: Path) -> str:
-    path = checkpoint.latest_checkpoint(directory)
-    checkpoint.verify_step(path)
+    path = dcp.latest_checkpoint(directory)
+    dcp.verify_step(path)
     return os.path.basename(path)
 
 
@@ -194,7 +194,7 @@ def test_killed_launcher_leaves_no_orphans_and_the_lock_guards_the_folder(tmp_pa
     os.killpg(first.proc.pid, signal.SIGKILL)  # the launcher's whole group: the ranks are in their own sessions
     first.proc.wait()
     _wait_gone(pids.values(), timeout=10)
-    saved = int(checkpoint.latest_checkpoint(first.ckpt).rsplit("_", 1)[1])
+    saved = int(dcp.latest_checkpoint(first.ckpt).rsplit("_", 1)[1])
     third = Job(tmp_path / "c", f"training.train_steps={saved + 2}", "checkpoint.resume=auto", ckpt=first.ckpt)
     assert third.wait() == 0, third.output()
     out = third.output()
@@ -228,9 +228,9 @@ def test_diverged_fresh_run_keeps_no_checkpoint_saved_after_the_divergence_began
     assert "training.max_loss_factor" in line or "training.collapse_steps" in line, line
     began = int(line.split("divergence began at iteration ")[1].split(")")[0])
     assert f"moved to {job.ckpt / 'diverged'}" in line, line
-    assert all(step < began - 1 for step in checkpoint.list_steps(job.ckpt)), os.listdir(job.ckpt)
+    assert all(step < began - 1 for step in dcp.list_steps(job.ckpt)), os.listdir(job.ckpt)
     assert os.listdir(job.ckpt / "diverged")  # set aside, not deleted
-    if checkpoint.list_steps(job.ckpt):
+    if dcp.list_steps(job.ckpt):
         assert int(_latest_verified(job.ckpt).removeprefix("step_")) < began - 1
     else:
         assert not (job.ckpt / "latest").exists()  # nothing good: a restart starts over, not from a dead model
@@ -333,7 +333,7 @@ def test_rollback_with_load_step_redoes_the_steps_bitwise_and_keeps_the_newer_on
     out = again.output()
     assert "Traceback" not in out and "resumed from checkpoint at iteration 4" in out
     assert f"newer steps (step_8, step_12) were moved to {first.ckpt / 'abandoned'}" in out, out
-    assert _latest_verified(first.ckpt) == "step_12" and checkpoint.list_steps(first.ckpt) == [4, 8, 12]
+    assert _latest_verified(first.ckpt) == "step_12" and dcp.list_steps(first.ckpt) == [4, 8, 12]
     assert sorted(os.listdir(first.ckpt / "abandoned")) == ["step_12", "step_8"]
     metrics = first.workdir / "logs" / "metrics.jsonl"
     steps = [r["step"] for r in _train_records(metrics)]
@@ -353,7 +353,7 @@ def test_kill_between_publication_and_rename_resumes_from_the_published_step(tmp
     assert again.wait() == 0, again.output()
     out = again.output()
     assert "finished the interrupted save of step_8" in out and "resumed from checkpoint at iteration 8" in out, out
-    assert _latest_verified(job.ckpt) == "step_10" and checkpoint.list_steps(job.ckpt) == [8, 10]  # keep_last 2
+    assert _latest_verified(job.ckpt) == "step_10" and dcp.list_steps(job.ckpt) == [8, 10]  # keep_last 2
 
 
 def test_sigstop_of_one_rank_ends_the_job_naming_it(tmp_path):
@@ -434,14 +434,14 @@ def test_disk_full_in_the_middle_of_a_save_is_one_line(tmp_path):
     code = (
         "import sys, torch\n"
         "from te_npu.distributed import MasterWeightOptimizer\n"
-        "from te_npu.distributed.storage import dcp as checkpoint\n"
+        "from te_npu.distributed.storage import dcp\n"
         "from te_npu.training.job import run_job\n"
         "from tests.distributed.harness import build\n"
         "checkpoint._SPACE_MARGIN = (0.3, 0)\n"
         "def body(stop):\n"
         "    model, init = build('mxfp8', seed=0)\n"
         "    opt = MasterWeightOptimizer(model, init, lr=1e-2)\n"
-        f"    checkpoint.save('{disk}/ckpt', model, opt, 1)\n"
+        f"    dcp.save('{disk}/ckpt', model, opt, 1)\n"
         "sys.exit(run_job(body))\n"
     )
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

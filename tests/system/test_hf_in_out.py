@@ -389,7 +389,7 @@ def test_hf_start_names_a_damaged_file_in_one_line(hf_dir, tmp_path, st_data_dir
 def test_hf_to_dcp_refuses_a_folder_holding_a_run(hf_dir, tmp_path, st_data_dir):
     """The issue's case: step_0 written into a run's folder became its latest (resume: auto restarted from HF)."""
     from models.deepseek_v3.pretrain import DeepseekV3Task
-    from te_npu.distributed.storage import dcp as checkpoint
+    from te_npu.distributed.storage import dcp
     from te_npu.training.hf.convert import hf_to_dcp
 
     cfg = _cfg("bf16", tmp_path, st_data_dir, "fsdp_config.dp_shard_size=1", "training.train_steps=2")
@@ -402,6 +402,6 @@ def test_hf_to_dcp_refuses_a_folder_holding_a_run(hf_dir, tmp_path, st_data_dir)
     run = cfg.checkpoint.dir
     with pytest.raises(ConfigError, match=r"--out: .* already holds a run's checkpoints \(step_2, latest\)"):
         hf_to_dcp(cfg, DeepseekV3Task(), str(hf_dir("for_convert")), run, progress=False)
-    assert checkpoint.latest_checkpoint(run).endswith("step_2") and checkpoint.list_steps(run) == [2]
+    assert dcp.latest_checkpoint(run).endswith("step_2") and dcp.list_steps(run) == [2]
     fresh = hf_to_dcp(cfg, DeepseekV3Task(), str(hf_dir("for_convert_2")), str(tmp_path / "new"), progress=False)
-    assert checkpoint.step_info(fresh)["lineage"] != checkpoint.step_info(os.path.join(run, "step_2"))["lineage"]
+    assert dcp.step_info(fresh)["lineage"] != dcp.step_info(os.path.join(run, "step_2"))["lineage"]
