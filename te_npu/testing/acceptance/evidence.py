@@ -6,13 +6,14 @@ FSDP gather trace, HiF8 scale statistics, refresh and micro-step counts, the 8-b
 Peak memory, per phase: ``reset_peak_memory`` when the phase begins, ``peak_memory`` when it ends.
 The process's peak RSS and the device's peak allocation are ``te_npu.training.metrics.log.
 peak_memory_mb`` (the Trainer's step line reads the same); a phase's own host peak is Linux's
-``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs`` (back to the current RSS). Where that
+``VmHWM``, reset when the phase begins (``te_npu.training.metrics.host_rss``). Where that
 reset fails the host peak is the process's so far (``host_peak_since: process``).
 """
 from __future__ import annotations
 
 from collections import Counter
 
+from te_npu.training.metrics.host_rss import reset_peak_rss, status_bytes
 from te_npu.training.metrics.log import peak_memory_mb
 
 __all__ = ["phase_evidence", "reset_peak_memory", "peak_memory"]
@@ -53,12 +54,7 @@ def reset_peak_memory(npu: bool) -> bool:
         import torch
 
         torch.npu.reset_peak_memory_stats()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    return reset_peak_rss()
 
 
 def peak_memory(npu: bool, host_reset: bool) -> dict:
@@ -67,13 +63,9 @@ def peak_memory(npu: bool, host_reset: bool) -> dict:
     reserved bytes (since the phase began)."""
     peak = {"host_peak_rss_bytes": int(peak_memory_mb("cpu") * 2**20),
             "host_peak_since": "phase" if host_reset else "process"}
-    try:
-        with open("/proc/self/status") as f:
-            hwm = next((line.split()[1] for line in f if line.startswith("VmHWM:")), None)
-        if hwm is not None:
-            peak["host_peak_rss_bytes"] = int(hwm) * 1024
-    except OSError:
-        pass
+    hwm = status_bytes("VmHWM")
+    if hwm is not None:
+        peak["host_peak_rss_bytes"] = hwm
     if npu:
         import torch
 

@@ -54,6 +54,7 @@ from te_npu.errors import ConfigError
 from te_npu.ops import emulation, force_backend
 from te_npu.tensor import QuantizedWeightTensor
 from te_npu.training.config import TrainConfig
+from te_npu.training.metrics.host_rss import reset_peak_rss, status_bytes
 from te_npu.training.capacity.memory_tracker import CATEGORIES, MemoryTracker, StageMemory
 
 __all__ = ["ASCEND_950DT_HBM_GB", "A5_Q3_HBM_BYTES", "default_hbm_bytes", "FIT_MARGIN", "CapacityReport", "estimation_overrides", "estimate"]
@@ -305,14 +306,14 @@ class _StageRss:
     def __init__(self) -> None:
         if not os.path.exists("/proc/self/clear_refs"):
             raise RuntimeError("capacity.estimate(measure=True) reads peak RSS from Linux's /proc; not available here")
-        self.base = _read_status_kib("VmRSS") * 1024
+        self.base = _required("VmRSS")
         self.peaks: dict[str, int] = {}
         self._stage: str | None = None
 
     def start(self, name: str) -> None:
         self._close()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        if not reset_peak_rss():
+            raise RuntimeError("capacity.estimate(measure=True): /proc/self/clear_refs cannot be written here")
         self._stage = name
 
     def finish(self) -> None:
@@ -321,15 +322,14 @@ class _StageRss:
 
     def _close(self) -> None:
         if self._stage is not None:
-            self.peaks[self._stage] = _read_status_kib("VmHWM") * 1024 - self.base
+            self.peaks[self._stage] = _required("VmHWM") - self.base
 
 
-def _read_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+def _required(field: str) -> int:
+    value = status_bytes(field)
+    if value is None:
+        raise RuntimeError(f"capacity.estimate(measure=True): /proc/self/status has no {field}")
+    return value
 
 
 @contextlib.contextmanager
