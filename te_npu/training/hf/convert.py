@@ -16,7 +16,6 @@ YAML config through its ``TrainTask`` (``build`` on meta, ``hf_adapter``).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
